@@ -1,0 +1,136 @@
+"""The application object: what ``appliance run`` builds from a config and runs until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from appliance import __version__, registry
+from appliance.config import Config, load_config
+from appliance.daemon import Daemon
+from appliance.devices import MemoryDevice, open_device
+from appliance.httpapp import HttpServer, create_app
+from appliance.server import SocketServer
+
+log = logging.getLogger(__name__)
+
+
+def ensure_demo_models(config: Config) -> list[Path]:
+    """Write the tiny random models that the config asks for and that are missing (offline first run)."""
+    from appliance.tinymodel import write_tiny_model
+
+    made = []
+    for model in config.models:
+        tiny = model.generate_if_missing
+        if tiny is None or model.path.exists():
+            continue
+        model.path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("writing demo model %s (%d layers, %d wide) to %s", model.name, tiny.layers, tiny.dim, model.path)
+        write_tiny_model(model.path, layers=tiny.layers, dim=tiny.dim, seed=tiny.seed)
+        made.append(model.path)
+    return made
+
+
+class Appliance:
+    def __init__(self, config: Config, *, device: MemoryDevice | None = None, http: bool = True) -> None:
+        self.config = config
+        self.version = __version__
+        self.config_error: str | None = None
+        self._device = device
+        self._http_enabled = http
+        self.daemon: Daemon | None = None
+        self.socket_server: SocketServer | None = None
+        self.http_server: HttpServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+
+    @classmethod
+    def from_file(cls, path: Path, **kwargs: object) -> Appliance:
+        config = load_config(path, check_files=lambda p: True)
+        ensure_demo_models(config)
+        return cls(load_config(path), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def http_url(self) -> str | None:
+        return self.http_server.url if self.http_server else None
+
+    async def start(self) -> None:
+        config = self.config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        device = self._device or open_device(config.device)
+        self.daemon = Daemon(config, device)
+        self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
+                                          group=config.socket.group, max_connections=config.max_connections)
+        await self.socket_server.start()
+        if self._http_enabled:
+            self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
+            self._tasks.append(asyncio.create_task(self.http_server.run_forever(), name="http"))
+            while not self.http_server.started:
+                await asyncio.sleep(0.01)
+        self._tasks.append(asyncio.create_task(self._sweep(), name="idle-sweep"))
+        if config.resync_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._resync(), name="resync"))
+        self.write_registry()
+        log.info("appliance %s ready: socket %s, http %s, device %s", self.version, config.socket.path,
+                 self.http_url, self.daemon.reading.name)
+
+    def write_registry(self) -> None:
+        assert self.daemon is not None
+        registry.write(self.config.data_dir, registry.document(self.config, self.daemon, self.http_url))
+
+    async def _sweep(self) -> None:
+        assert self.daemon is not None
+        period = max(0.05, min([m.idle_ttl_s / 4 for m in self.config.models if m.idle_ttl_s > 0] + [5.0]))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if await self.daemon.sweep_idle():
+                    self.write_registry()
+            except Exception:
+                log.exception("idle sweep failed")
+
+    async def _resync(self) -> None:
+        assert self.daemon is not None
+        while True:
+            await asyncio.sleep(self.config.resync_interval_s)
+            try:
+                await asyncio.to_thread(self.daemon.resync)
+            except Exception:
+                log.exception("device resync failed")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        log.info("stopping")
+        if self.daemon is not None:
+            self.daemon.closing = True
+        if self.socket_server is not None:
+            await self.socket_server.close()
+        if self.http_server is not None:
+            self.http_server.should_exit = True
+        for task in self._tasks:
+            if task.get_name() != "http":
+                task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 5)
+        self._tasks.clear()
+        if self.daemon is not None:
+            await self.daemon.close()
+        with contextlib.suppress(FileNotFoundError):
+            registry.path(self.config.data_dir).unlink()

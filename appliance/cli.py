@@ -1,0 +1,162 @@
+"""The ``appliance`` command: a thin shell over the application object, the config and the clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from appliance import lineclient, registry
+from appliance.errors import ApplianceError
+
+DEFAULT_CONFIG = "appliance.yaml"
+
+
+def config_path(args: argparse.Namespace) -> Path:
+    return Path(getattr(args, "config", None) or os.environ.get("APPLIANCE_CONFIG") or DEFAULT_CONFIG)
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    """--socket, else the registry file of the config's state dir, else the config's socket path."""
+    if getattr(args, "socket", None):
+        return Path(args.socket)
+    from appliance.config import load_config
+
+    config = load_config(config_path(args), check_files=False)
+    doc = registry.read(config.data_dir)
+    return Path(doc["socket"]) if doc and doc.get("socket") else config.socket.path
+
+
+# -- commands ------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from appliance.app import Appliance
+    from appliance.config import ConfigInvalid
+
+    try:
+        appliance = Appliance.from_file(config_path(args))
+    except ConfigInvalid as exc:
+        print(f"appliance: refusing to start, {len(exc.problems)} problem(s) in {config_path(args)}:",
+              file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    asyncio.run(appliance.run())
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from appliance.config import ConfigInvalid, load_config
+
+    path = Path(args.file) if args.file else config_path(args)
+    try:
+        config = load_config(path, check_files=lambda p: p.exists())
+    except ConfigInvalid as exc:
+        for problem in exc.problems:
+            print(problem)
+        print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"{path}: ok ({len(config.models)} model(s), device {config.device}, "
+          f"admission {config.admission_percent:g}%)")
+    return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from appliance.settings import render_docs
+
+    print(render_docs())
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from appliance.tinymodel import write_tiny_model
+
+    def progress(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} tensors", end="", file=sys.stderr)
+
+    path = write_tiny_model(Path(args.out), layers=args.layers, dim=args.dim, seed=args.seed, dtype=args.dtype,
+                            progress=progress)
+    print(file=sys.stderr)
+    print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def line_command(build: Callable[[argparse.Namespace], str]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        reply = lineclient.request(socket_path(args), build(args))
+        sys.stdout.write(reply)
+        return 1 if reply.startswith("ERR ") else 0
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description="A local-LLM appliance for edge boxes.")
+    parser.add_argument("--log-level", default=os.environ.get("APPLIANCE_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help: str,
+                parent: argparse._SubParsersAction = sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        return p
+
+    def client(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", help=f"config file to find the daemon through (default {DEFAULT_CONFIG})")
+        p.add_argument("--socket", help="the daemon's Unix socket (overrides the registry file)")
+        return p
+
+    run = command("run", cmd_run, "run the appliance in the foreground")
+    run.add_argument("--config", help=f"config file (default ./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
+
+    config = sub.add_parser("config", help="check or document appliance.yaml")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = command("check", cmd_config_check, "validate a config file and print every problem", config_sub)
+    check.add_argument("file", nargs="?")
+    command("docs", cmd_config_docs, "print every setting as a markdown table", config_sub)
+
+    models = sub.add_parser("models", help="model files")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    tiny = command("make-tiny", cmd_make_tiny, "write a small random-weight llama GGUF", models_sub)
+    tiny.add_argument("out")
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--dim", type=int, default=256)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+
+    client(command("status", line_command(lambda a: "STATUS"), "device, ledger, models and agents"))
+    client(command("list", line_command(lambda a: "LIST"), "configured models and their state"))
+    client(command("resync", line_command(lambda a: "RESYNC"), "re-read the device, re-base the ledger"))
+    reg = client(command("register", line_command(lambda a: f"REGISTER {a.agent} {a.model}"),
+                         "register an agent on a model"))
+    reg.add_argument("agent")
+    reg.add_argument("model")
+    unreg = client(command("unregister", line_command(lambda a: f"UNREGISTER {a.agent}"), "unregister an agent"))
+    unreg.add_argument("agent")
+    decode = client(command("decode", line_command(lambda a: f"DECODE {a.agent} {a.n_tokens} {a.prompt}".rstrip()),
+                            "generate tokens for a registered agent"))
+    decode.add_argument("agent")
+    decode.add_argument("n_tokens", type=int)
+    decode.add_argument("prompt", nargs="?", default="")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ApplianceError as exc:
+        print(f"appliance: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The daemon core that every surface (line protocol, MAGN frames, HTTP) calls: ledger, refcounted models,
+agent slots with KV swap, idle unloading and device resync (SPEC L1–L7, R2, R3, R4).
+
+Model memory is admitted by the :class:`~appliance.ledger.Ledger` before anything is loaded. Each loaded
+model has one live context (one :class:`~appliance.engine.Runtime`): the agents on that model take turns in
+it, and a suspended agent's KV state waits in host RAM. Agents on different models never evict each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance import gguf_meta, policy
+from appliance.config import Config, ModelConfig
+from appliance.devices import DeviceReading, MemoryDevice
+from appliance.engine import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
+from appliance.errors import ApplianceError
+from appliance.ledger import Ledger, compute_cap, external_used
+
+
+@dataclass(eq=False)
+class Model:
+    key: str
+    path: Path
+    spec: ModelConfig
+    estimate: int | None = None
+    measured: int | None = None
+    runtime: Runtime | None = None
+    refcount: int = 0
+    inflight: int = 0
+    last_used: float = 0.0
+    decodes: int = 0
+    baseline: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    anonymous: Conversation = field(default_factory=Conversation)
+
+    def view(self) -> policy.ModelView:
+        return policy.ModelView(self.key, self.runtime is not None, self.refcount, self.inflight,
+                                self.last_used, self.spec.idle_ttl_s)
+
+
+@dataclass(eq=False)
+class Agent:
+    id: str
+    model: Model
+    conversation: Conversation = field(default_factory=Conversation)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    owner: object | None = None  # a connection that owns this agent (MAGN sessions); None = until UNREGISTER
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    agent: str | None
+    model: str
+    generation: Generation
+    evicted: str | None
+    restored: bool
+
+
+def process_bytes(reading: DeviceReading) -> int:
+    """This process's footprint on the device, or its RSS when the device cannot tell."""
+    if reading.process_used is not None:
+        return reading.process_used
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Daemon:
+    def __init__(self, config: Config, device: MemoryDevice, engine: Engine | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.device = device
+        self.engine = engine or Engine(config.engine.threads or None)
+        self.clock = clock
+        self.models: dict[str, Model] = {}
+        self.agents: dict[str, Agent] = {}
+        self._claimed: set[str] = set()
+        self.reading = device.read()
+        self.external = external_used(self.reading.used, self.reading.process_used, 0)
+        self.ledger = Ledger(compute_cap(self.reading.total, config.admission_percent, self.external))
+        self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
+                                         "denials": 0}
+        self.closing = False
+
+    # -- models ----------------------------------------------------------------------------------
+    def resolve(self, ref: str) -> Model:
+        """A configured model name, or a GGUF path inside the model directories (R4)."""
+        spec = self.config.model(ref)
+        if spec is None and ("/" in ref or ref.endswith(".gguf")):
+            path = Path(ref).expanduser()
+            resolved = path.resolve()
+            folders = [Path(d).resolve() for d in self.config.model_dirs]
+            if not policy.inside(resolved, folders):
+                raise ApplianceError("FORBIDDEN", "model path is outside the configured model directories",
+                                     {"path": ref, "model_dirs": [str(d) for d in self.config.model_dirs]})
+            if not resolved.is_file():
+                raise ApplianceError("UNKNOWN_MODEL", "no such model file", {"path": ref})
+            if not gguf_meta.is_gguf(resolved):
+                raise ApplianceError("BAD_REQUEST", "not a GGUF file", {"path": ref})
+            configured = [m for m in self.config.models if m.path.resolve() == resolved]
+            spec = configured[0] if configured else ModelConfig(
+                name=str(resolved), path=resolved, vram_bytes=None, n_ctx=2048, n_gpu_layers=0,
+                idle_ttl_s=1800.0, cache_type="f16", generate_if_missing=None)
+        if spec is None:
+            raise ApplianceError("UNKNOWN_MODEL", f"no model named {ref!r}",
+                                 {"model": ref, "known": [m.name for m in self.config.models]})
+        model = self.models.get(spec.name)
+        if model is None or model.spec != spec and model.runtime is None:
+            model = self.models[spec.name] = Model(spec.name, spec.path, spec)
+        return model
+
+    def estimate(self, model: Model) -> int:
+        if model.spec.vram_bytes is not None:
+            return model.spec.vram_bytes
+        shape = gguf_meta.read_model_shape(model.path)
+        return gguf_meta.estimate(shape, model.spec.n_ctx, model.spec.cache_type).total
+
+    async def acquire(self, model: Model) -> None:
+        """Make sure ``model`` is loaded: estimate -> reserve -> load; any failure rolls back (L3)."""
+        async with model.lock:
+            if model.runtime is not None:
+                return
+            if model.estimate is None:
+                model.estimate = await asyncio.to_thread(self.estimate, model)
+            interrupted = False
+            try:
+                with self.ledger.reservation(model.key, model.estimate) as pending:
+                    load = asyncio.ensure_future(self.engine.call(self._load, model))
+                    try:
+                        model.runtime = await asyncio.shield(load)
+                    except asyncio.CancelledError:
+                        # The caller went away; the load still finishes on the engine thread. Keep it:
+                        # the model stays loaded without agents and the idle sweep frees it.
+                        interrupted = True
+                        model.runtime = await load
+                    pending.commit()
+            except ApplianceError as exc:
+                self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
+                raise
+            model.last_used = self.clock()
+            if interrupted:
+                raise asyncio.CancelledError
+
+    def _load(self, model: Model) -> Runtime:
+        model.baseline = process_bytes(self.device.read())
+        spec = model.spec
+        return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
+
+    async def unload(self, model: Model) -> None:
+        async with model.lock:
+            runtime, model.runtime = model.runtime, None
+            if runtime is None:
+                return
+            model.anonymous = Conversation()
+            await self.engine.call(runtime.close)
+            self.ledger.release(model.key)
+
+    async def sweep_idle(self) -> list[str]:
+        """Unload models idle past their TTL (L7); returns their names."""
+        names = policy.expired([m.view() for m in self.models.values()], self.clock())
+        for name in names:
+            await self.unload(self.models[name])
+        return names
+
+    # -- agents ----------------------------------------------------------------------------------
+    async def register(self, agent_id: str, ref: str, owner: object | None = None) -> Agent:
+        if self.closing:
+            raise ApplianceError("SHUTTING_DOWN")
+        if agent_id in self.agents or agent_id in self._claimed:
+            raise ApplianceError("AGENT_EXISTS", f"agent {agent_id!r} is already registered",
+                                 {"agent": agent_id})
+        self._claimed.add(agent_id)
+        try:
+            model = self.resolve(ref)
+            model.refcount += 1  # held while loading, so an idle sweep cannot race the load
+            try:
+                await self.acquire(model)
+            except BaseException:
+                model.refcount -= 1
+                raise
+            agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner)
+            return agent
+        finally:
+            self._claimed.discard(agent_id)
+
+    async def unregister(self, agent_id: str) -> None:
+        agent = self.agent(agent_id)
+        async with agent.lock:
+            if self.agents.get(agent_id) is not agent:
+                raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+            del self.agents[agent_id]
+            model = agent.model
+            model.refcount -= 1
+            if model.runtime is not None:
+                await self.engine.call(model.runtime.detach, agent.conversation)
+            if policy.unload_on_release(model.view()):
+                await self.unload(model)
+
+    def agent(self, agent_id: str) -> Agent:
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+        return agent
+
+    async def release_owner(self, owner: object) -> None:
+        """Unregister every agent a closed connection owned (R3)."""
+        for agent in [a for a in self.agents.values() if a.owner is owner]:
+            with contextlib.suppress(ApplianceError):
+                await self.unregister(agent.id)
+
+    # -- decoding --------------------------------------------------------------------------------
+    async def decode(self, agent_id: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
+                     on_token: Callable[[Token], None] | None = None,
+                     cancel: threading.Event | None = None) -> DecodeResult:
+        agent = self.agent(agent_id)
+        async with agent.lock:
+            if self.agents.get(agent_id) is not agent:
+                raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+            return await self._run(agent.model, agent.conversation, agent_id, n_tokens, prompt, sampling,
+                                   on_token, cancel)
+
+    async def complete(self, ref: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
+                       on_token: Callable[[Token], None] | None = None,
+                       cancel: threading.Event | None = None) -> DecodeResult:
+        """A stateless request (HTTP, MAGN without a session): a fresh conversation every time."""
+        if self.closing:
+            raise ApplianceError("SHUTTING_DOWN")
+        model = self.resolve(ref)
+        model.inflight += 1
+        try:
+            await self.acquire(model)
+            conv = Conversation()
+            try:
+                return await self._run(model, conv, None, n_tokens, prompt, sampling, on_token, cancel)
+            finally:
+                if model.runtime is not None:
+                    await self.engine.call(model.runtime.detach, conv)
+        finally:
+            model.inflight -= 1
+            model.last_used = self.clock()
+
+    async def _run(self, model: Model, conv: Conversation, agent_id: str | None, n_tokens: int,
+                   prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
+                   cancel: threading.Event | None) -> DecodeResult:
+        if self.closing:
+            raise ApplianceError("SHUTTING_DOWN")
+        runtime = model.runtime
+        if runtime is None:
+            raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+        cancel = cancel or threading.Event()
+        owner = {id(a.conversation): a.id for a in self.agents.values()}
+        delay = self.engine.token_delay_s
+
+        def work() -> DecodeResult:
+            swap = runtime.attach(conv)
+            generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set, delay)
+            evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
+            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored)
+
+        model.inflight += 1
+        job = asyncio.ensure_future(self.engine.call(work))
+        try:
+            result = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            cancel.set()  # stop at the next token; wait so that nothing is left running (R3)
+            with contextlib.suppress(Exception):
+                await job
+            raise
+        finally:
+            model.inflight -= 1
+            model.last_used = self.clock()
+        model.decodes += 1
+        self.counters["decodes"] += 1
+        self.counters["tokens"] += result.generation.generated_tokens
+        self.counters["kv_swaps"] += result.evicted is not None
+        self.counters["kv_restores"] += result.restored
+        if model.measured is None:
+            model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
+        return result
+
+    # -- device ----------------------------------------------------------------------------------
+    def resync(self) -> DeviceReading:
+        """Re-read the device and re-base the cap for memory other processes now use (L1)."""
+        reading = self.device.read()
+        self.reading = reading
+        self.external = external_used(reading.used, reading.process_used, self.ledger.allocated)
+        self.ledger.set_cap(compute_cap(reading.total, self.config.admission_percent, self.external))
+        return reading
+
+    async def close(self) -> None:
+        self.closing = True
+        for model in list(self.models.values()):
+            await self.unload(model)
+        self.agents.clear()
+        self.engine.close()
+        self.device.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything STATUS, the admin page and metrics show, read from memory."""
+        reading, ledger = self.reading, self.ledger.snapshot()
+        models = [{"name": m.key, "loaded": m.runtime is not None, "refcount": m.refcount,
+                   "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
+                   "n_ctx": m.spec.n_ctx, "path": str(m.path)} for m in self.models.values()]
+        agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),
+                   "state": a.conversation.where, "state_bytes": a.conversation.nbytes}
+                  for a in self.agents.values()]
+        return {"device": {"name": reading.name, "kind": reading.kind, "total_bytes": reading.total,
+                           "used_bytes": reading.used, "free_bytes": reading.free,
+                           "external_bytes": self.external},
+                "ledger": {"cap_bytes": ledger.cap, "allocated_bytes": ledger.allocated,
+                           "admission_percent": self.config.admission_percent},
+                "models": models, "agents": agents, "counters": dict(self.counters)}

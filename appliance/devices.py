@@ -1,0 +1,298 @@
+"""Memory devices (SPEC L1): what the ledger's cap is a share of, read from NVML, the host, or a fake.
+
+Each device answers :meth:`MemoryDevice.read` with a :class:`DeviceReading` in bytes. :func:`parse_size`
+and :func:`parse_device_spec` are pure (for the config validator); :func:`open_device` is the IO edge.
+
+Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least one GPU, else ``host``),
+``host``, ``nvml:N`` (GPU index N), ``fake:<size>`` (e.g. ``fake:8GiB``, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Literal, Protocol
+
+import pynvml
+
+from appliance.errors import ApplianceError
+from appliance.ledger import MAX_BYTES
+
+DeviceKind = Literal["nvml", "host", "fake"]
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One sample of a device, in bytes; ``process_used`` is this process's use of it, None when unknown."""
+
+    name: str
+    kind: DeviceKind
+    total: int
+    used: int
+    free: int
+    process_used: int | None
+
+
+class MemoryDevice(Protocol):
+    name: str
+    kind: DeviceKind
+
+    def read(self) -> DeviceReading: ...
+
+    def close(self) -> None: ...
+
+
+# -- sizes --------------------------------------------------------------------------------------------------
+
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    # IEC binary units, and bare letters (as in Docker, JVM -Xmx, `free -g`): powers of 1024.
+    "k": 2**10, "ki": 2**10, "kib": 2**10,
+    "m": 2**20, "mi": 2**20, "mib": 2**20,
+    "g": 2**30, "gi": 2**30, "gib": 2**30,
+    "t": 2**40, "ti": 2**40, "tib": 2**40,
+    # SI decimal units ending in B: powers of 1000.
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size: an ``int`` (or integral float) >= 0, or a string ``<number>[ ]<unit>``.
+
+    Units are case-insensitive. Binary (1024-based): ``K Ki KiB``, ``M Mi MiB``, ``G Gi GiB``, ``T Ti TiB`` (a
+    bare letter is binary: ``2G`` = 2 GiB). Decimal (1000-based): ``KB MB GB TB`` (``1.5GB`` = 1_500_000_000).
+    ``B`` or no unit means bytes. A fraction must come to a whole number of bytes (``1.5KiB`` = 1536 is fine,
+    ``1.5`` is not). Raises ``ValueError`` naming the problem; the result is at most ``MAX_BYTES``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be a number of bytes or a string like '8GiB', got {value!r}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
+        value = int(value)
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.fullmatch(value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"not a size: {value!r} (expected e.g. 8GiB, 512 MiB, 2G, 1.5GB or 1048576; "
+                             "KiB/MiB/GiB/TiB and bare K/M/G/T are binary, KB/MB/GB/TB decimal)")
+        exact = Decimal(match.group(1)) * _UNITS[unit]  # the regex admits only valid decimals
+        if exact != exact.to_integral_value():
+            raise ValueError(f"size {value!r} is not a whole number of bytes ({exact})")
+        result = int(exact)
+    else:
+        raise ValueError(f"a size must be a number of bytes or a string like '8GiB', "
+                         f"got {type(value).__name__}")
+    if result < 0:
+        raise ValueError(f"a size cannot be negative, got {value!r}")
+    if result > MAX_BYTES:
+        raise ValueError(f"size {value!r} is larger than {MAX_BYTES} bytes")
+    return result
+
+
+# -- NVML ---------------------------------------------------------------------------------------------------
+
+_nvml_lock = threading.Lock()
+_nvml_ready = False
+
+
+def _nvml_init() -> None:
+    """Initialise NVML once per process (kept until exit); raise ``pynvml.NVMLError``, not cached."""
+    global _nvml_ready
+    with _nvml_lock:
+        if not _nvml_ready:
+            pynvml.nvmlInit()
+            _nvml_ready = True
+
+
+def gpu_visible() -> bool:
+    """True when NVML initialises and reports at least one GPU. Never raises."""
+    try:
+        _nvml_init()
+        return pynvml.nvmlDeviceGetCount() >= 1
+    except (pynvml.NVMLError, OSError):
+        return False
+
+
+class NvmlDevice:
+    """An NVIDIA GPU read through NVML; failing to open raises ``ApplianceError("INTERNAL")`` naming it."""
+
+    kind: DeviceKind = "nvml"
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.spec = f"nvml:{index}"
+        try:
+            _nvml_init()
+            count = pynvml.nvmlDeviceGetCount()
+            if not 0 <= index < count:
+                raise ApplianceError("INTERNAL",
+                                     f"cannot open memory device {self.spec}: NVML reports {count} GPU(s)",
+                                     {"device": self.spec, "gpu_count": count})
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            raw = pynvml.nvmlDeviceGetName(self._handle)
+        except pynvml.NVMLError as exc:
+            raise ApplianceError("INTERNAL", f"cannot open memory device {self.spec}: NVML: {exc}",
+                                 {"device": self.spec, "nvml_error": str(exc)}) from exc
+        self.name = f"{self.spec} {raw.decode() if isinstance(raw, bytes) else raw}"
+        self._closed = False
+
+    def _process_used(self) -> int | None:
+        """Bytes of this GPU used by processes with our pid; None when NVML cannot say (any NVML error).
+
+        None also when our pid is not listed: in a container NVML lists host pids, so absence proves nothing.
+        """
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError):  # NotSupported, NoPermission, old driver
+            return None
+        mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid()]
+        if not mine or any(used is None for used in mine):
+            return None
+        return sum(mine)
+
+    def read(self) -> DeviceReading:
+        if self._closed:
+            raise ApplianceError("INTERNAL", f"memory device {self.spec} is closed", {"device": self.spec})
+        try:
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+            process_used = self._process_used()
+        except pynvml.NVMLError as exc:
+            raise ApplianceError("INTERNAL", f"cannot read memory device {self.spec}: NVML: {exc}",
+                                 {"device": self.spec, "nvml_error": str(exc)}) from exc
+        return DeviceReading(self.name, "nvml", int(mem.total), int(mem.used), int(mem.free), process_used)
+
+    def close(self) -> None:
+        """Stop using the handle (NVML itself stays initialised for the process)."""
+        self._closed = True
+
+
+# -- host RAM -----------------------------------------------------------------------------------------------
+
+def _kib_field(path: Path, field: str) -> int:
+    """The ``<field>: <n> kB`` line of a /proc file, in bytes."""
+    for line in path.read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key == field:
+            return int(rest.split()[0]) * 1024
+    raise ValueError(f"{path} has no {field} line")
+
+
+class HostDevice:
+    """System RAM, from Linux /proc (cgroup limits are not applied): total = MemTotal, free = MemAvailable,
+    used = total - free, process_used = this process's VmRSS."""
+
+    kind: DeviceKind = "host"
+
+    def __init__(self, meminfo: Path = Path("/proc/meminfo"),
+                 status: Path = Path("/proc/self/status")) -> None:
+        self.name = "host"
+        self._meminfo = meminfo
+        self._status = status
+        self.read()  # fail at open, not at first use
+
+    def read(self) -> DeviceReading:
+        try:
+            total = _kib_field(self._meminfo, "MemTotal")
+            available = min(total, _kib_field(self._meminfo, "MemAvailable"))
+            rss = _kib_field(self._status, "VmRSS")
+        except (OSError, ValueError, IndexError) as exc:
+            raise ApplianceError("INTERNAL", f"cannot read memory device host: {exc}",
+                                 {"device": "host"}) from exc
+        return DeviceReading(self.name, "host", total, total - available, available, rss)
+
+    def close(self) -> None:
+        pass
+
+
+# -- fake ---------------------------------------------------------------------------------------------------
+
+class FakeDevice:
+    """A device of ``total`` bytes (an int or a :func:`parse_size` string) whose ``used`` (everyone's use,
+    ours included) and ``process_used`` tests set at will; reads and sets are atomic."""
+
+    kind: DeviceKind = "fake"
+
+    def __init__(self, total: int | str, used: int = 0, process_used: int | None = None) -> None:
+        self.name = "fake"
+        self._lock = threading.Lock()
+        self.total = parse_size(total)
+        self.set_used(used)
+        self.set_process_used(process_used)
+
+    def set_used(self, used: int) -> None:
+        """Set the device's used bytes (0..total), e.g. to simulate another process growing."""
+        if type(used) is not int or not 0 <= used <= self.total:
+            raise ValueError(f"used must be an int between 0 and {self.total}, got {used!r}")
+        with self._lock:
+            self._used = used
+
+    def set_process_used(self, process_used: int | None) -> None:
+        if process_used is not None and (type(process_used) is not int or process_used < 0):
+            raise ValueError(f"process_used must be None or a non-negative int, got {process_used!r}")
+        with self._lock:
+            self._process_used = process_used
+
+    def read(self) -> DeviceReading:
+        with self._lock:
+            return DeviceReading(self.name, "fake", self.total, self._used, self.total - self._used,
+                                 self._process_used)
+
+    def close(self) -> None:
+        pass
+
+
+# -- specs --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device spec: ``kind`` is auto/host/nvml/fake; ``index`` for nvml, ``size`` for fake."""
+
+    kind: Literal["auto", "host", "nvml", "fake"]
+    index: int | None = None
+    size: int | None = None
+
+
+_SPEC_HELP = "expected auto, host, nvml:N (N = GPU index, e.g. nvml:0) or fake:<size> (e.g. fake:8GiB)"
+
+
+def parse_device_spec(spec: str) -> DeviceSpec:
+    """Parse a device spec without opening anything; ``ValueError`` with the accepted forms otherwise."""
+    if not isinstance(spec, str):
+        raise ValueError(f"device spec must be a string, got {spec!r}; {_SPEC_HELP}")
+    text = spec.strip()
+    if text in ("auto", "host"):
+        return DeviceSpec("auto" if text == "auto" else "host")
+    prefix, sep, arg = text.partition(":")
+    if sep and prefix == "nvml" and re.fullmatch(r"\d+", arg):
+        return DeviceSpec("nvml", index=int(arg))
+    if sep and prefix == "fake":
+        try:
+            return DeviceSpec("fake", size=parse_size(arg))
+        except ValueError as exc:
+            raise ValueError(f"bad device spec {spec!r}: {exc}") from exc
+    raise ValueError(f"bad device spec {spec!r}; {_SPEC_HELP}")
+
+
+def open_device(spec: str) -> MemoryDevice:
+    """Open the device ``spec`` names (see the module docstring).
+
+    Raises ``ValueError`` for a malformed spec and ``ApplianceError("INTERNAL")`` when the device cannot be
+    opened (e.g. ``nvml:0`` on a box without an NVIDIA driver).
+    """
+    parsed = parse_device_spec(spec)
+    if parsed.kind == "auto":
+        return NvmlDevice(0) if gpu_visible() else HostDevice()
+    if parsed.kind == "host":
+        return HostDevice()
+    if parsed.kind == "nvml" and parsed.index is not None:
+        return NvmlDevice(parsed.index)
+    assert parsed.size is not None
+    return FakeDevice(parsed.size)

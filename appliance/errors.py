@@ -1,0 +1,88 @@
+"""The one error table (SPEC P4) shared by every surface: MAGN frames, the line protocol and HTTP.
+
+Every error a client can see is an :class:`ApplianceError` whose ``code`` is a key of :data:`TABLE`.
+Its wire shape is always ``{code, message, retryable, details}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    code: str
+    http_status: int
+    retryable: bool
+    summary: str
+
+
+_KINDS = [
+    ErrorKind("BAD_MAGIC", 400, False, "the stream does not start with the MAGN magic"),
+    ErrorKind("UNSUPPORTED_VERSION", 400, False, "the frame version is not one this daemon speaks"),
+    ErrorKind("FRAME_TOO_LARGE", 413, False, "the frame's payload length is above max_frame_bytes"),
+    ErrorKind("BAD_PAYLOAD", 400, False, "the payload is not base64 of a UTF-8 JSON object of a known schema"),
+    ErrorKind("BAD_REQUEST", 400, False, "the request is malformed or has invalid arguments"),
+    ErrorKind("UNKNOWN_COMMAND", 400, False, "the line protocol has no such command"),
+    ErrorKind("UNKNOWN_MODEL", 404, False, "no such model is configured or allowed"),
+    ErrorKind("UNKNOWN_AGENT", 404, False, "no such agent is registered"),
+    ErrorKind("AGENT_EXISTS", 409, False, "an agent with this id is already registered"),
+    ErrorKind("VRAM_LEDGER_DENY", 507, True, "the VRAM ledger has no room for this model"),
+    ErrorKind("TOO_MANY_CONNECTIONS", 503, True, "the daemon is at max_connections"),
+    ErrorKind("CONTEXT_OVERFLOW", 400, False, "the request does not fit in the model's context"),
+    ErrorKind("TIMEOUT", 504, True, "the operation took too long"),
+    ErrorKind("OOM", 507, True, "the device ran out of memory"),
+    ErrorKind("MODEL_LOAD_FAILED", 500, False, "the model file could not be loaded"),
+    ErrorKind("MODEL_BUSY", 409, True, "the model is in use and cannot be changed now"),
+    ErrorKind("CANCELLED", 499, False, "the task was cancelled"),
+    ErrorKind("SHUTTING_DOWN", 503, True, "the daemon is stopping"),
+    ErrorKind("CONFIG_INVALID", 400, False, "the configuration file is invalid"),
+    ErrorKind("FORBIDDEN", 403, False, "the request is not allowed"),
+    ErrorKind("INTERNAL", 500, True, "an unexpected internal error"),
+]
+
+TABLE: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}
+
+
+@dataclass(frozen=True, eq=False)
+class ApplianceError(Exception):
+    """An error with a code from :data:`TABLE`; raise it anywhere, every surface knows how to send it."""
+
+    code: str
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in TABLE:
+            raise ValueError(f"unknown error code {self.code!r}")
+        if not self.message:
+            object.__setattr__(self, "message", TABLE[self.code].summary)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    @property
+    def retryable(self) -> bool:
+        return TABLE[self.code].retryable
+
+    @property
+    def http_status(self) -> int:
+        return TABLE[self.code].http_status
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable,
+                "details": dict(self.details)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ApplianceError:
+        code = data.get("code")
+        if code not in TABLE:
+            code = "INTERNAL"
+        details = data.get("details")
+        return cls(code, str(data.get("message") or ""), details if isinstance(details, dict) else {})
+
+
+def internal(exc: BaseException) -> ApplianceError:
+    """Wrap an unexpected exception so that a client still gets the P4 shape."""
+    return ApplianceError("INTERNAL", f"{type(exc).__name__}: {exc}")

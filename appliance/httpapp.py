@@ -1,0 +1,86 @@
+"""The HTTP surface (SPEC W1): a Starlette app over the same daemon core, plus its uvicorn server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from appliance.app import Appliance
+
+
+def health_document(appliance: Appliance) -> dict:
+    """``/v1/health`` from memory: never waits on a model or the engine thread."""
+    daemon = appliance.daemon
+    models = []
+    loading = False
+    for spec in appliance.config.models:
+        model = daemon.models.get(spec.name) if daemon else None
+        is_loading = bool(model and model.runtime is None and model.lock.locked())
+        loading |= is_loading
+        state = "loaded" if model and model.runtime is not None else "loading" if is_loading else "available"
+        models.append({"name": spec.name, "state": state, "context_length": spec.n_ctx})
+    status = "ok"
+    if appliance.config_error is not None or daemon is None:
+        status = "degraded"
+    elif loading:
+        status = "loading"
+    snapshot = daemon.snapshot() if daemon else {}
+    return {"status": status, "models": models,
+            "context_length": max((m["context_length"] for m in models), default=0),
+            "agents": len(snapshot.get("agents", [])),
+            "ledger": snapshot.get("ledger"), "socket": str(appliance.config.socket.path),
+            "version": appliance.version}
+
+
+def error_response(error: ApplianceError) -> JSONResponse:
+    return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
+
+
+def create_app(appliance: Appliance) -> Starlette:
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(health_document(appliance))
+
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(ApplianceError("BAD_REQUEST", f"no route {request.url.path}", {"status": 404}))
+
+    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers={404: not_found})
+    app.state.appliance = appliance
+    return app
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn on a socket we bind ourselves (so port 0 works and we know the port); the supervisor owns
+    the signals, so uvicorn must not install its own handlers."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        super().__init__(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.socket.set_inheritable(True)
+        self.host = host
+        self.port = self.socket.getsockname()[1]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def run_forever(self) -> None:
+        await self.serve(sockets=[self.socket])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,36 @@
+"""Pure admission and lifetime decisions: no IO, no clocks, no llama.cpp (llama-swap style)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import PurePath
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What the policies need to know about one model."""
+
+    key: str
+    loaded: bool
+    refcount: int
+    inflight: int
+    last_used: float
+    idle_ttl_s: float
+
+
+def expired(models: Iterable[ModelView], now: float) -> list[str]:
+    """Models to unload: loaded, no agents, nothing running, and idle for their TTL (L7; a TTL of 0 = never)."""
+    return [m.key for m in models if m.loaded and m.refcount == 0 and m.inflight == 0
+            and m.idle_ttl_s > 0 and now - m.last_used >= m.idle_ttl_s]
+
+
+def unload_on_release(model: ModelView) -> bool:
+    """L4: the last UNREGISTER frees the model at once, unless an anonymous request is still running."""
+    return model.loaded and model.refcount == 0 and model.inflight == 0
+
+
+def inside(path: PurePath, folders: Iterable[PurePath]) -> bool:
+    """True when ``path`` (already resolved, symlinks followed) lies inside one of ``folders`` (resolved)."""
+    return any(path == folder or folder in path.parents for folder in folders)
+

@@ -1,0 +1,142 @@
+"""The Unix-socket server: one socket, two protocols (SPEC P5, L6, R1, R4).
+
+The first bytes of a connection decide: ``MAGN`` -> binary frames (:mod:`appliance.magnsession`), anything
+else -> the line protocol (:mod:`appliance.linesession`). At most ``max_connections`` clients are served; the
+next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import socket
+from pathlib import Path
+
+from appliance import lines
+from appliance.daemon import Daemon
+from appliance.errors import ApplianceError
+from appliance.linesession import serve_lines
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MAGN"
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+SNIFF_TIMEOUT_S = 1.0
+
+
+class SocketServer:
+    def __init__(self, daemon: Daemon, path: Path, *, mode: int = 0o660, group: str | None = None,
+                 max_connections: int = 128) -> None:
+        self.daemon = daemon
+        self.path = path
+        self.mode = mode
+        self.group = group
+        self.max_connections = max_connections
+        self.connections: set[asyncio.Task[None]] = set()
+        self.accepted = 0
+        self.refused = 0
+        self.buffer_bytes: dict[str, int] = {}
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            if not self.path.is_socket():
+                raise ApplianceError("BAD_REQUEST", f"{self.path} exists and is not a socket", {"path": str(self.path)})
+            self.path.unlink()
+        old_umask = os.umask(0o777 & ~self.mode)  # the socket is never reachable with looser permissions
+        try:
+            self._server = await asyncio.start_unix_server(self._accept, path=str(self.path), limit=1 << 20,
+                                                           backlog=256)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, self.mode)
+        if self.group:
+            os.chown(self.path, -1, grp.getgrnam(self.group).gr_gid)
+        log.info("socket %s (mode %o) ready", self.path, self.mode)
+
+    def _tune(self, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return
+        for option, name in ((socket.SO_SNDBUF, "sndbuf"), (socket.SO_RCVBUF, "rcvbuf")):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            granted = sock.getsockopt(socket.SOL_SOCKET, option)
+            if self.buffer_bytes.get(name) != granted:
+                self.buffer_bytes[name] = granted
+                log.info("socket %s asked %d bytes, kernel granted %d", name, SOCKET_BUFFER_BYTES, granted)
+
+    async def _sniff(self, reader: asyncio.StreamReader) -> bytes:
+        data = b""
+        while len(data) < len(MAGIC) and MAGIC.startswith(data):
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        over = len(self.connections) >= self.max_connections
+        self.connections.add(task)
+        try:
+            self._tune(writer)
+            if over:
+                self.refused += 1
+                await self._refuse(reader, writer)
+                return
+            self.accepted += 1
+            initial = await self._sniff(reader)
+            if not initial:
+                return
+            if initial.startswith(MAGIC):
+                from appliance.magnsession import serve_magn
+
+                await serve_magn(self.daemon, reader, writer, initial)
+            else:
+                await serve_lines(self.daemon, reader, writer, initial)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception:
+            log.exception("connection handler failed")
+        finally:
+            self.connections.discard(task)
+            with contextlib.suppress(Exception):
+                await self.daemon.release_owner(writer)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        error = ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {self.max_connections} clients",
+                               {"max_connections": self.max_connections})
+        try:
+            initial = await asyncio.wait_for(self._sniff(reader), SNIFF_TIMEOUT_S)
+        except TimeoutError:
+            initial = b""
+        if initial.startswith(MAGIC):
+            from appliance.magnsession import error_frame
+
+            writer.write(error_frame(error, None))
+        else:
+            writer.write(lines.format_error(error).encode())
+        await writer.drain()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self.connections):
+            task.cancel()
+        if self.connections:
+            await asyncio.wait(list(self.connections), timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+

@@ -1,0 +1,105 @@
+"""The line protocol's pure half: parsing and formatting, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance import lines
+from appliance.errors import ApplianceError
+
+GOOD = [
+    ("HELP", lines.Command("HELP")),
+    ("status\n", lines.Command("STATUS")),
+    ("LIST\r\n", lines.Command("LIST")),
+    ("RESYNC", lines.Command("RESYNC")),
+    ("REGISTER smol demo", lines.Command("REGISTER", agent="smol", model="demo")),
+    ("REGISTER a /models/x y.gguf", lines.Command("REGISTER", agent="a", model="/models/x y.gguf")),
+    ("UNREGISTER smol", lines.Command("UNREGISTER", agent="smol")),
+    ("DECODE smol 24 Hello there", lines.Command("DECODE", agent="smol", n_tokens=24, prompt="Hello there")),
+    ("DECODE smol 24", lines.Command("DECODE", agent="smol", n_tokens=24, prompt="")),
+    ("DECODE a.b:c-1 1 x", lines.Command("DECODE", agent="a.b:c-1", n_tokens=1, prompt="x")),
+]
+
+BAD = [
+    ("", "BAD_REQUEST"),
+    ("FROB x", "UNKNOWN_COMMAND"),
+    ("HELP me", "BAD_REQUEST"),
+    ("REGISTER onlyagent", "BAD_REQUEST"),
+    ("REGISTER -bad demo", "BAD_REQUEST"),
+    ("UNREGISTER", "BAD_REQUEST"),
+    ("UNREGISTER a b", "BAD_REQUEST"),
+    ("DECODE a", "BAD_REQUEST"),
+    ("DECODE a zero hi", "BAD_REQUEST"),
+    ("DECODE a 0 hi", "BAD_REQUEST"),
+    ("DECODE a -3 hi", "BAD_REQUEST"),
+    (f"DECODE a {lines.MAX_DECODE_TOKENS + 1} hi", "BAD_REQUEST"),
+    ("DECODE a\x00 1 hi", "BAD_REQUEST"),
+]
+
+
+@pytest.mark.parametrize(("text", "command"), GOOD)
+def test_parse_good_lines(text: str, command: lines.Command) -> None:
+    assert lines.parse_line(text) == command
+    assert lines.parse_line(text.encode()) == command
+
+
+@pytest.mark.parametrize(("text", "code"), BAD)
+def test_parse_bad_lines(text: str, code: str) -> None:
+    with pytest.raises(ApplianceError) as info:
+        lines.parse_line(text)
+    assert info.value.code == code
+
+
+def test_non_utf8_and_overlong_lines_are_refused() -> None:
+    with pytest.raises(ApplianceError, match="UTF-8"):
+        lines.parse_line(b"DECODE a 1 \xff\xfe")
+    with pytest.raises(ApplianceError, match="longer"):
+        lines.parse_line(b"DECODE a 1 " + b"x" * lines.MAX_LINE_BYTES)
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_parse_or_give_a_p4_error(data: bytes) -> None:
+    try:
+        command = lines.parse_line(data)
+    except ApplianceError as exc:
+        assert exc.code in ("BAD_REQUEST", "UNKNOWN_COMMAND")
+    else:
+        assert command.name in lines.COMMANDS
+
+
+def test_decode_reply_has_the_l6_shape() -> None:
+    reply = lines.format_reply("DECODE", [
+        {"prompt_tokens": 4, "generated_tokens": 24, "stopped_on_eos": False},
+        {"elapsed_ms": 125.4951},
+        {"kv_swap_evicted": "qwen", "kv_swap_restored": True},
+    ], body=["two\nlines"], agent_id="smol")
+    assert reply == (
+        "OK schema=lmx-daemon/1\n"
+        "OK invoke=DECODE agent_id=smol\n"
+        "OK prompt_tokens=4 generated_tokens=24 stopped_on_eos=false\n"
+        "OK elapsed_ms=125.495\n"
+        "OK kv_swap_evicted=qwen kv_swap_restored=true\n"
+        "BEGIN_RESPONSE\ntwo\nlines\nEND_RESPONSE\n")
+
+
+def test_ledger_deny_line_is_exact() -> None:
+    error = ApplianceError("VRAM_LEDGER_DENY", "no room", {
+        "code": "CAP", "ledger_max_bytes": 7730941132, "ledger_allocated_bytes": 7408950067,
+        "requested_table_bytes": 2469606195})
+    assert lines.format_error(error) == (
+        "ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=7730941132 ledger_allocated_bytes=7408950067 "
+        "requested_table_bytes=2469606195\n")
+
+
+def test_error_without_details_carries_its_message_quoted() -> None:
+    line = lines.format_error(ApplianceError("UNKNOWN_AGENT", 'no agent "x"'))
+    assert line == 'ERR UNKNOWN_AGENT message="no agent \\"x\\""\n'
+
+
+def test_help_lists_every_command() -> None:
+    text = lines.help_text()
+    for name in lines.COMMANDS:
+        assert f"\n{name}" in text
+    assert text.endswith("END_RESPONSE\n")

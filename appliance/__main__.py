@@ -1,3 +1,5 @@
-from appliance.cli import main
 import sys
+
+from appliance.cli import main
+
 sys.exit(main())

@@ -62,11 +62,12 @@ class Appliance:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         device = self._device or open_device(config.device)
         self.daemon = Daemon(config, device)
+        if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
+            self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
                                           group=config.socket.group, max_connections=config.max_connections)
         await self.socket_server.start()
-        if self._http_enabled:
-            self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
+        if self.http_server is not None:
             self._tasks.append(asyncio.create_task(self.http_server.run_forever(), name="http"))
             while not self.http_server.started:
                 await asyncio.sleep(0.01)
@@ -109,8 +110,8 @@ class Appliance:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
         try:
+            await self.start()
             await self._stop.wait()
         finally:
             await self.stop()

@@ -150,17 +150,18 @@ def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null"
 
 
-def _violation(s: schema.Setting, v: Any) -> str | None:
-    """Why ``v`` breaks ``s``'s choices, range or check, or None."""
+def _violation(s: schema.Setting, v: Any, raw: Any) -> str | None:
+    """Why ``v`` (converted from ``raw``) breaks ``s``'s choices, range or check, or None."""
     fmt = schema.format_size if s.kind is schema.SIZE else show
+    got = f"(got {fmt(v) if s.kind is schema.SIZE else show(raw)})"
     if s.choices and v not in s.choices:
-        return f"must be one of {', '.join(s.choices)} (got {show(v)})"
+        return f"must be one of {', '.join(s.choices)} {got}"
     if isinstance(v, int | float) and s.minimum is not None and v < s.minimum:
-        return f"must be ≥ {fmt(s.minimum)} (got {fmt(v)})"
+        return f"must be ≥ {fmt(s.minimum)} {got}"
     if isinstance(v, int | float) and s.maximum is not None and v > s.maximum:
-        return f"must be ≤ {fmt(s.maximum)} (got {fmt(v)})"
+        return f"must be ≤ {fmt(s.maximum)} {got}"
     why = s.check(v) if s.check else None
-    return None if why is None else f"{why} (got {show(v)})"
+    return None if why is None else f"{why} {got}"
 
 
 def _unknown(key: str, names: list[str]) -> str:
@@ -190,6 +191,7 @@ class _Validator:
         if node is not None and not isinstance(node, MappingNode):
             self.report(path, node, "must be a mapping of keys to values")
             return _BAD
+        own = {id(k) for k, _ in node.value} if node is not None else set()  # not merged in by "<<"
         try:
             self._yaml.flatten_mapping(node) if node is not None else None  # resolve "<<" merge keys
         except yaml.YAMLError as exc:
@@ -198,7 +200,9 @@ class _Validator:
         for knode, vnode in node.value if node is not None else []:
             key = knode.value if isinstance(knode, ScalarNode) else "?"
             where = f"{path}.{key}" if path else key
-            if key in found:
+            if key in found and id(found[key][0]) not in own:  # a key given here overrides a merged one
+                found[key] = (knode, vnode) if id(knode) in own else found[key]
+            elif key in found:
                 self.report(where, knode, f"duplicate key (first at line {found[key][0].start_mark.line + 1})")
             elif key in settings or key in subs:
                 found[key] = (knode, vnode)
@@ -237,7 +241,7 @@ class _Validator:
             if raw is None:
                 raise ValueError("must not be empty" + ("" if s.required else f" (default: {show(s.default)})"))
             v = s.kind.convert(node.value if s.kind.text and isinstance(node, ScalarNode) else raw)
-            why = _violation(s, v)
+            why = _violation(s, v, raw)
             if why:
                 raise ValueError(why)
             return v
@@ -390,8 +394,8 @@ def diff(old: Config, new: Config) -> ConfigDiff:
               for name, m in after.items() if name in before and before[name] != m}
     def get(cfg: Config, key: str) -> Any:
         return reduce(getattr, key.split("."), cfg)
-    settings = tuple(s.key for s in schema.SETTINGS if s.section != "models" and not s.key.startswith("models[]")
-                     and get(old, s.key) != get(new, s.key))
+    settings = tuple(s.key for s in schema.SETTINGS
+                     if not s.key.startswith("models") and get(old, s.key) != get(new, s.key))
     fixed = {s.name for s in schema.SETTINGS if s.section == "models" and not s.live}
     return ConfigDiff(added_models=tuple(n for n in after if n not in before),
                       removed_models=tuple(n for n in before if n not in after),

@@ -1,36 +1,27 @@
 """MAGN frames (SPEC P1, P2): a sans-IO encoder and an incremental parser, in the style of h11.
 
-Wire format of one frame::
-
-    magic   uint32 BE  0x4D474E54 ("MAGN")
-    version uint16 BE  0x0001
-    length  uint32 BE  number of payload bytes that follow
-    payload            base64 (standard alphabet, padded) of the UTF-8 JSON text of one object
-
-``max_frame_bytes`` bounds ``length``, i.e. the base64 payload, not counting the 10-byte header.
-
-No sockets here: feed received bytes to :class:`FrameParser` and send what :func:`encode_frame` returns.
+A frame is ``magic`` (uint32 BE 0x4D474E54: the bytes are ASCII ``b"MGNT"`` although SPEC says "MAGN"),
+``version`` (uint16 BE, 1), ``length`` (uint32 BE) and ``length`` payload bytes: standard padded base64 of the
+UTF-8 JSON text of one object. ``max_frame_bytes`` bounds ``length`` (the base64 payload; the 10-byte header is not
+counted). Nothing here touches a socket.
 
 Errors follow h11: :class:`LocalProtocolError` means *we* tried to build or send something invalid,
-:class:`RemoteProtocolError` means the *peer* sent something invalid. Both carry ``.error``, an
-:class:`~appliance.errors.ApplianceError` whose code comes from the P4 table.
+:class:`RemoteProtocolError` means the *peer* sent something invalid; both carry ``.error``, an
+:class:`~appliance.errors.ApplianceError` with a P4 code.
 
-Parser states and recovery rules:
+:class:`FrameParser` states: ``HEADER`` (waiting for a 10-byte header; initial), ``PAYLOAD`` (header accepted,
+waiting for its payload), ``CLOSED`` (end of stream signalled with ``receive_data(b"")`` and every frame
+returned), ``ERROR`` (after a fatal error: all further calls re-raise it).
 
-* ``HEADER`` -- waiting for (the rest of) a 10-byte header; the initial state.
-* ``PAYLOAD`` -- a valid header was read; waiting for ``length`` payload bytes.
-* ``CLOSED`` -- end of stream was signalled (``receive_data(b"")``) and every complete frame was returned.
-* ``ERROR`` -- a fatal error was raised; the parser refuses all further data and re-raises that error.
+Fatal (``RemoteProtocolError.fatal``; the framing is lost, close the connection): ``BAD_MAGIC`` as soon as the
+buffered bytes can no longer start with the magic (one wrong byte is enough), ``UNSUPPORTED_VERSION`` once the
+6 bytes of magic and version are in, ``FRAME_TOO_LARGE`` once the header is in (no payload byte is needed), and
+``BAD_PAYLOAD`` with ``details["reason"] == "truncated frame"`` when the stream ends inside a frame.
 
-Fatal (the framing is lost, so the connection must be closed; ``RemoteProtocolError.fatal`` is true):
-``BAD_MAGIC`` (raised as soon as the buffered prefix can no longer be ``b"MAGN"``, even after one byte),
-``UNSUPPORTED_VERSION`` (raised once the 6 bytes of magic and version are buffered),
-``FRAME_TOO_LARGE`` (raised once the full header is buffered, before any payload byte is needed), and a
-stream that ends in the middle of a frame (``BAD_PAYLOAD``, ``details["reason"] == "truncated frame"``).
-
-Recoverable (``fatal`` is false): ``BAD_PAYLOAD`` for a frame whose header was valid but whose payload is not
-base64 of a UTF-8 JSON object. The frame's bytes are consumed, the parser returns to ``HEADER`` and the next
-call to :meth:`FrameParser.next_event` continues with the following frame.
+Recoverable (``fatal`` false): ``BAD_PAYLOAD`` for a frame with a valid header whose payload is not base64 of a
+UTF-8 JSON object within :func:`check_json`'s limits (``details["stage"]`` says which step failed). The frame's
+bytes are consumed, the parser is back in ``HEADER`` and the next :meth:`FrameParser.next_event` call goes on
+with the following frame.
 """
 
 from __future__ import annotations
@@ -40,20 +31,15 @@ import binascii
 import enum
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from appliance.errors import ApplianceError
 
-__all__ = [
-    "CLOSED", "DEFAULT_MAX_FRAME_BYTES", "HEADER", "MAGIC", "MAGIC_BYTES", "MAX_JSON_DEPTH", "NEED_DATA",
-    "SUPPORTED_VERSIONS", "VERSION", "Frame", "FrameParser", "LocalProtocolError", "ParserState",
-    "ProtocolError", "RemoteProtocolError", "Sentinel", "check_json", "encode_frame", "looks_like_magn",
-]
-
 MAGIC = 0x4D474E54
-MAGIC_BYTES = b"MAGN"
+MAGIC_BYTES = MAGIC.to_bytes(4, "big")  # b"MGNT"
 VERSION = 0x0001
 SUPPORTED_VERSIONS: frozenset[int] = frozenset({VERSION})
 HEADER = struct.Struct(">IHI")
@@ -62,13 +48,11 @@ MAX_JSON_DEPTH = 64
 """Deepest nesting of objects/arrays accepted in a payload (the payload object itself is depth 1)."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ProtocolError(Exception):
-    """Base of the two protocol errors; never raised itself.
-
-    ``error`` is the P4 error to report, ``task_id`` the task it belongs to when known (for the ERROR reply).
-    """
+    """Base of the two protocol errors: ``error`` is the P4 error, ``task_id`` its task when known."""
 
     def __init__(self, code: str, message: str = "", *, details: dict[str, Any] | None = None,
                  task_id: str | None = None) -> None:
@@ -118,41 +102,32 @@ def _bad(path: str, reason: str) -> LocalProtocolError:
 def check_json(value: Any, path: str = "", depth: int = 1) -> None:
     """Raise :class:`LocalProtocolError` (``BAD_PAYLOAD``) unless ``value`` is a strict JSON value.
 
-    Strict means: dicts with ``str`` keys, lists, ``str`` that is valid Unicode (no lone surrogates),
-    ``bool``, ``None``, ints in [-2**63, 2**64 - 1], finite floats, at most :data:`MAX_JSON_DEPTH` deep.
-    Such a value survives an encode/decode round trip unchanged. ``path`` names ``value`` in the error.
+    Strict means: dicts with ``str`` keys, lists, ``str`` that is valid Unicode (no lone surrogates), ``bool``,
+    ``None``, ints in [-2**63, 2**64 - 1], finite floats, at most :data:`MAX_JSON_DEPTH` deep. Such a value
+    survives an encode/decode round trip unchanged. ``path`` names ``value`` in the error (``a.b[2]``).
     """
-    if value is None or isinstance(value, bool):
-        return
+    reason = None
     if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise _bad(path, "string is not valid Unicode") from None
-        return
-    if isinstance(value, int):
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise _bad(path, "integer out of the 64-bit range")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise _bad(path, "number is not finite")
-        return
-    if isinstance(value, dict | list) and depth > MAX_JSON_DEPTH:
-        raise _bad(path, f"nested deeper than {MAX_JSON_DEPTH}")
-    if isinstance(value, dict):
+        reason = None if value.isascii() or not _SURROGATE.search(value) else "string is not valid Unicode"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        reason = None if _INT_MIN <= value <= _INT_MAX else "integer out of the 64-bit range"
+    elif isinstance(value, float):
+        reason = None if math.isfinite(value) else "number is not finite"
+    elif isinstance(value, dict | list) and depth > MAX_JSON_DEPTH:
+        reason = f"nested deeper than {MAX_JSON_DEPTH}"
+    elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise _bad(path, f"object key {key!r} is not a string")
             check_json(key, path, depth)
             check_json(item, f"{path}.{key}" if path else key, depth + 1)
-        return
-    if isinstance(value, list):
+    elif isinstance(value, list):
         for index, item in enumerate(value):
             check_json(item, f"{path}[{index}]", depth + 1)
-        return
-    raise _bad(path, f"{type(value).__name__} is not a JSON type")
+    elif value is not None and not isinstance(value, bool):
+        reason = f"{type(value).__name__} is not a JSON type"
+    if reason is not None:
+        raise _bad(path, reason)
 
 
 @dataclass(frozen=True)
@@ -194,7 +169,7 @@ def encode_frame(payload: dict[str, Any], *, version: int = VERSION, max_frame_b
 def looks_like_magn(prefix: bytes) -> bool:
     """True while ``prefix`` (the first bytes of a stream) can still be the start of a MAGN frame.
 
-    An empty or partial prefix of ``b"MAGN"`` answers True: read more before choosing another protocol.
+    An empty or partial prefix of :data:`MAGIC_BYTES` answers True: read more before choosing another protocol.
     """
     return bytes(prefix[:4]) == MAGIC_BYTES[: len(prefix)]
 
@@ -204,10 +179,6 @@ class ParserState(enum.Enum):
     PAYLOAD = "PAYLOAD"
     CLOSED = "CLOSED"
     ERROR = "ERROR"
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 class FrameParser:
@@ -268,21 +239,19 @@ class FrameParser:
         buf = self._buffer
         if self._length is None:
             if not looks_like_magn(buf):
-                raise RemoteProtocolError("BAD_MAGIC", "stream does not start with MAGN",
+                raise RemoteProtocolError("BAD_MAGIC", "stream does not start with the MAGN magic",
                                           details={"received": bytes(buf[:4]).hex()})
             if len(buf) >= 6:
                 (version,) = struct.unpack_from(">H", buf, 4)
                 if version not in SUPPORTED_VERSIONS:
                     raise RemoteProtocolError("UNSUPPORTED_VERSION", f"version {version} is not supported",
-                                              details={"version": version,
-                                                       "supported": sorted(SUPPORTED_VERSIONS)})
+                                              details={"version": version, "supported": sorted(SUPPORTED_VERSIONS)})
             if len(buf) < HEADER.size:
                 return self._starved()
             _, self._version, length = HEADER.unpack_from(buf)
-            if length > self.max_frame_bytes:
-                raise RemoteProtocolError("FRAME_TOO_LARGE", f"payload of {length} bytes is over "
-                                          f"{self.max_frame_bytes}",
-                                          details={"length": length, "max_frame_bytes": self.max_frame_bytes})
+            if length > (limit := self.max_frame_bytes):
+                raise RemoteProtocolError("FRAME_TOO_LARGE", f"payload of {length} bytes is over {limit}",
+                                          details={"length": length, "max_frame_bytes": limit})
             self._length = length
         end = HEADER.size + self._length
         if len(buf) < end:
@@ -316,7 +285,7 @@ def _decode_payload(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise _remote_bad("utf-8", "payload is not UTF-8") from None
     try:
-        payload = json.loads(text, parse_constant=_reject_constant)
+        payload = json.loads(text)  # NaN/Infinity load as floats; Frame() refuses them
     except (ValueError, RecursionError):
         raise _remote_bad("json", "payload is not JSON") from None
     if not isinstance(payload, dict):

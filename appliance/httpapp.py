@@ -68,7 +68,12 @@ class HttpServer(uvicorn.Server):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
+        try:
+            self.socket.bind((host, port))
+        except OSError as exc:
+            self.socket.close()
+            raise ApplianceError("INTERNAL", f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                 {"host": host, "port": port}) from exc
         self.socket.set_inheritable(True)
         self.host = host
         self.port = self.socket.getsockname()[1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import threading
 from typing import Any
 
@@ -121,7 +122,7 @@ async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyn
                     chunk = watch.result()
                     eof = not chunk
                     buffer += chunk
-                    if eof:
+                    if eof and peer_gone(writer):
                         cancel.set()
                 elif watch is not None:
                     watch.cancel()
@@ -137,3 +138,13 @@ async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyn
             return
         writer.write(reply.encode("utf-8"))
         await writer.drain()
+
+
+def peer_gone(writer: asyncio.StreamWriter) -> bool:
+    """After EOF: has the client closed the whole socket (POLLHUP), not just its sending half (nc -N)?"""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return True
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP)
+    return any(event & select.POLLHUP for _, event in poller.poll(0))

@@ -1,15 +1,15 @@
 """MAGN messages (SPEC P3): frozen dataclasses, one per JSON ``type``, each field declaring its own check.
 
-Construction validates (raising :class:`~appliance.frames.LocalProtocolError`, ``BAD_PAYLOAD``, ``details =
-{"field", "reason"}``) and normalises (lists to tuples, dicts to nested records, ints in float fields to floats),
-so ``parse_message(m.to_payload()) == m``. :func:`parse_message` refuses unknown types and missing, unknown or
-invalid fields with a *non-fatal* :class:`~appliance.frames.RemoteProtocolError` (the framing is intact).
+Construction validates (:class:`~appliance.frames.LocalProtocolError`, ``BAD_PAYLOAD``, ``details = {"field",
+"reason"}``) and normalises (lists to tuples, dicts to records, ints to floats), so ``parse_message(m.to_payload())
+== m``. :func:`parse_message` refuses unknown types and missing, unknown or invalid fields with a non-fatal
+:class:`~appliance.frames.RemoteProtocolError` (the framing is intact, the connection can go on).
 
-Tasks: the client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight on one
-connection. TASK_START is answered by its echo with ``status``; INFER_REQUEST by any STREAM_TOKEN / HEARTBEAT, then
-one TASK_COMPLETE or ERROR, all with its ``task_id``. A CANCEL makes that task end with ERROR ``CANCELLED`` (it is
-ignored for unknown or finished tasks). An ERROR with a null ``task_id`` concerns the connection. PROTOCOL_INFO
-without fields asks; the reply PROTOCOL_INFO carries all of them.
+Tasks: the client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight at once.
+TASK_START is answered by its echo with ``status``; INFER_REQUEST by any STREAM_TOKEN / HEARTBEAT and then one
+TASK_COMPLETE or ERROR, all with its ``task_id``. CANCEL ends that task with ERROR ``CANCELLED`` (ignored for
+unknown or finished tasks). ERROR with a null ``task_id`` concerns the connection. PROTOCOL_INFO without fields
+asks; the reply PROTOCOL_INFO carries them all.
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, NoReturn, TypeVar, dataclass_transform
+from typing import Any, ClassVar, NoReturn
 
 from appliance.errors import TABLE, ApplianceError
 from appliance.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
 
 SCHEMA = "magn/1"
-MAX_ID_CHARS = 256
-MAX_TOKENS_LIMIT = 131072
-MAX_STOP_STRINGS = 16
-ROLES = frozenset({"system", "user", "assistant", "tool"})
-STOP_REASONS = frozenset({"stop", "length", "tool_call"})
-
+MAX_ID_CHARS, MAX_TOKENS_LIMIT, MAX_STOP_STRINGS = 256, 131072, 16
+ROLES = ("system", "user", "assistant", "tool")
+STOP_REASONS = ("stop", "length", "tool_call")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 Check = Callable[[Any, str], Any]  # (value, field name) -> normalised value, or _fail
 
@@ -38,9 +35,9 @@ def _fail(name: str, reason: str) -> NoReturn:
     raise LocalProtocolError("BAD_PAYLOAD", f"{name}: {reason}", details={"field": name, "reason": reason})
 
 
-def _f(check: Check, default: Any = MISSING, *, nullable: bool = False, path: str | None = None) -> Any:
-    """A field checked by ``check``; None is allowed when ``nullable`` or the default; ``path`` names it."""
-    meta = {"check": check, "nullable": nullable or default is None, "path": path}
+def _f(check: Check, default: Any = MISSING) -> Any:
+    """A dataclass field checked by ``check``; None skips the check when None is also the default."""
+    meta = {"check": check, "nullable": default is None}
     return field(default_factory=dict, metadata=meta) if default == {} else field(default=default, metadata=meta)
 
 
@@ -53,16 +50,15 @@ def _rule(ok: Callable[[Any], bool], reason: str, convert: Callable[[Any, str], 
     return check
 
 
-def _is_text(value: Any) -> bool:
-    return isinstance(value, str) and (value.isascii() or not _SURROGATE.search(value))
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and not _SURROGATE.search(value)
 
 
 def _num(lo: float, hi: float, *, integer: bool = False, open_lo: bool = False) -> Check:
     def ok(v: Any) -> bool:
-        if isinstance(v, bool) or not (isinstance(v, int) and (integer or abs(v) <= 2**53)
-                                       or not integer and isinstance(v, float) and math.isfinite(v)):
-            return False
-        return (lo < v if open_lo else lo <= v) and v <= hi
+        number = isinstance(v, int) and not isinstance(v, bool) and (integer or abs(v) <= 2**53) or (
+            not integer and isinstance(v, float) and math.isfinite(v))
+        return number and (lo < v if open_lo else lo <= v) and v <= hi
     kind, bracket = ("an integer", "[") if integer else ("a number", "(" if open_lo else "[")
     return _rule(ok, f"must be {kind} in {bracket}{lo}, {hi}]", lambda v, n: int(v) if integer else float(v))
 
@@ -79,13 +75,12 @@ def _json(*kinds: type) -> Check:
 
 
 def _record(cls: Any) -> Check:
-    """Accept an instance of the record ``cls`` or a payload dict for it."""
     return _rule(lambda v: isinstance(v, cls | dict), "must be a JSON object",
                  lambda v, n: v if isinstance(v, cls) else _build(cls, v, n))
 
 
-_text = _rule(_is_text, "must be a string of valid Unicode")
-_ident = _rule(lambda v: _is_text(v) and 0 < len(v) <= MAX_ID_CHARS, f"must be a string of 1 to {MAX_ID_CHARS} chars")
+_text = _rule(lambda v: isinstance(v, str) and not _SURROGATE.search(v), "must be a string of valid Unicode")
+_ident = _rule(_is_id, f"must be a string of 1 to {MAX_ID_CHARS} valid characters")
 _bool = _rule(lambda v: isinstance(v, bool), "must be a boolean")
 _COUNT, _U16, _U32 = (_num(0, hi, integer=True) for hi in (2**31 - 1, 0xFFFF, 0xFFFFFFFF))
 _timings = _rule(lambda v: isinstance(v, dict), "must be a JSON object of numbers",
@@ -121,7 +116,7 @@ class _Record:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if not (value is None and f.metadata["nullable"]):
-                object.__setattr__(self, f.name, f.metadata["check"](value, f.metadata["path"] or f.name))
+                object.__setattr__(self, f.name, f.metadata["check"](value, f.name))
         self._validate()
 
     def _validate(self) -> None:
@@ -130,7 +125,7 @@ class _Record:
 
 @dataclass(frozen=True)
 class ChatMessage(_Record):
-    role: str = _f(_rule(lambda v: isinstance(v, str) and v in ROLES, f"must be one of {sorted(ROLES)}"))
+    role: str = _f(_rule(lambda v: v in ROLES, f"must be one of {list(ROLES)}"))
     content: str = _f(_text)
 
 
@@ -138,10 +133,6 @@ class ChatMessage(_Record):
 class Usage(_Record):
     prompt_tokens: int = _f(_COUNT)
     completion_tokens: int = _f(_COUNT)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(frozen=True)
@@ -162,24 +153,8 @@ class ErrorBody(_Record):
         object.__setattr__(self, "message", self.message or TABLE[self.code].summary)
         object.__setattr__(self, "retryable", TABLE[self.code].retryable)
 
-    @classmethod
-    def of(cls, error: ApplianceError) -> ErrorBody:
-        return cls(error.code, error.message, error.retryable, dict(error.details))
-
     def exception(self) -> ApplianceError:
         return ApplianceError(self.code, self.message, dict(self.details))
-
-
-_M = TypeVar("_M", bound=type)
-
-
-@dataclass_transform(frozen_default=True, field_specifiers=(field,))
-def _message(kind: str) -> Callable[[_M], _M]:
-    """Class decorator: a frozen dataclass whose payload ``type`` is ``kind``."""
-    def wrap(cls: _M) -> _M:
-        cls.TYPE = kind
-        return dataclass(frozen=True)(cls)
-    return wrap
 
 
 class _Message(_Record):
@@ -189,15 +164,11 @@ class _Message(_Record):
         """The JSON object to send: ``{"type": TYPE, <every field>}`` (None as null, tuples as lists)."""
         return {"type": self.TYPE, **_dump(self)}
 
-    @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> Any:
-        """Build from a payload dict; raises :class:`LocalProtocolError` (see :func:`parse_message`)."""
-        return _build(cls, {k: v for k, v in payload.items() if k != "type"}, "")
 
-
-@_message("TASK_START")
+@dataclass(frozen=True)
 class TaskStart(_Message):
     """Open the agent session ``session_id`` on ``model``; the server's echo sets ``status`` (e.g. "started")."""
+    TYPE: ClassVar[str] = "TASK_START"
     task_id: str = _f(_ident)
     session_id: str = _f(_ident)
     model: str = _f(_ident)
@@ -205,9 +176,10 @@ class TaskStart(_Message):
     status: str | None = _f(_ident, None)
 
 
-@_message("INFER_REQUEST")
+@dataclass(frozen=True)
 class InferRequest(_Message):
     """Generate: exactly one of ``prompt``/``messages``; ``session_id`` (an agent's conversation) or ``model``."""
+    TYPE: ClassVar[str] = "INFER_REQUEST"
     task_id: str = _f(_ident)
     model: str | None = _f(_ident, None)
     session_id: str | None = _f(_ident, None)
@@ -226,9 +198,10 @@ class InferRequest(_Message):
             _fail("prompt", "exactly one of prompt or messages is required")
 
 
-@_message("STREAM_TOKEN")
+@dataclass(frozen=True)
 class StreamToken(_Message):
     """One generated token of a streaming task; ``timestamp`` in seconds since the epoch."""
+    TYPE: ClassVar[str] = "STREAM_TOKEN"
     task_id: str = _f(_ident)
     text: str = _f(_text)
     token_id: int = _f(_COUNT)
@@ -236,43 +209,44 @@ class StreamToken(_Message):
     logprob: float | None = _f(_num(-math.inf, 0.0), None)
 
 
-@_message("HEARTBEAT")
+@dataclass(frozen=True)
 class Heartbeat(_Message):
     """The task is alive but produced no token for a while."""
+    TYPE: ClassVar[str] = "HEARTBEAT"
     task_id: str = _f(_ident)
     timestamp: float | None = _f(_num(0.0, math.inf), None)
 
 
-@_message("TASK_COMPLETE")
+@dataclass(frozen=True)
 class TaskComplete(_Message):
     """A result; ``timings``: name -> number >= 0 (``ttft_ms``...), ``stats``: free JSON (plan, threads...)."""
+    TYPE: ClassVar[str] = "TASK_COMPLETE"
     task_id: str = _f(_ident)
     text: str = _f(_text)
     usage: Usage = _f(_record(Usage))
-    stop_reason: str = _f(_rule(lambda v: isinstance(v, str) and v in STOP_REASONS, f"must be one of {sorted(STOP_REASONS)}"))
+    stop_reason: str = _f(_rule(lambda v: v in STOP_REASONS, f"must be one of {list(STOP_REASONS)}"))
     timings: dict[str, float] = _f(_timings, {})
     tool_call: ToolCall | None = _f(_record(ToolCall), None)
     stats: dict[str, Any] = _f(_json(dict), {})
 
-    def _validate(self) -> None:
-        if self.stop_reason == "tool_call" and self.tool_call is None:
-            _fail("tool_call", "required when stop_reason is tool_call")
 
-
-@_message("CANCEL")
+@dataclass(frozen=True)
 class Cancel(_Message):
     """Stop the task ``task_id``."""
+    TYPE: ClassVar[str] = "CANCEL"
     task_id: str = _f(_ident)
 
 
-@_message("PROTOCOL_INFO")
+@dataclass(frozen=True)
 class ProtocolInfoRequest(_Message):
     """PROTOCOL_INFO with no fields: ask the server what it speaks."""
+    TYPE: ClassVar[str] = "PROTOCOL_INFO"
 
 
-@_message("PROTOCOL_INFO")
+@dataclass(frozen=True)
 class ProtocolInfo(_Message):
     """The server's PROTOCOL_INFO reply."""
+    TYPE: ClassVar[str] = "PROTOCOL_INFO"
     version: int = _f(_U16)
     supported_versions: tuple[int, ...] = _f(_seq(_U16, 64, non_empty=True))
     schema: str = _f(_ident)
@@ -285,15 +259,16 @@ class ProtocolInfo(_Message):
             _fail("version", "must be one of supported_versions")
 
 
-@_message("ERROR")
+@dataclass(frozen=True)
 class ErrorMessage(_Message):
     """A P4 error for task ``task_id`` (None: the connection); build with :meth:`of`."""
+    TYPE: ClassVar[str] = "ERROR"
     error: ErrorBody = _f(_record(ErrorBody))
     task_id: str | None = _f(_ident, None)
 
     @classmethod
     def of(cls, error: ApplianceError, task_id: str | None = None) -> ErrorMessage:
-        return cls(ErrorBody.of(error), task_id)
+        return cls(ErrorBody(error.code, error.message, error.retryable, dict(error.details)), task_id)
 
 
 Message = (TaskStart | InferRequest | StreamToken | Heartbeat | TaskComplete | Cancel | ProtocolInfoRequest
@@ -305,16 +280,15 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {c.TYPE: c for c in (
 def parse_message(payload: dict[str, Any]) -> Message:
     """The message for a received payload, or a non-fatal :class:`RemoteProtocolError` (BAD_PAYLOAD) whose
     ``task_id`` is the payload's (if valid) and whose ``details`` hold ``field``, ``reason`` and ``type``."""
-    is_dict = isinstance(payload, dict)
-    kind, task_id = (payload.get("type"), payload.get("task_id")) if is_dict else (None, None)
-    task_id = task_id if _is_text(task_id) and 0 < len(task_id) <= MAX_ID_CHARS else None
+    kind, task_id = (payload.get("type"), payload.get("task_id")) if isinstance(payload, dict) else (None, None)
+    task_id = task_id if _is_id(task_id) else None
     try:
         cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
-            _fail("type", "unknown message type" if is_dict else "payload is not an object")
+            _fail("type", "unknown message type" if isinstance(payload, dict) else "payload is not an object")
         if cls is ProtocolInfo and payload.keys() == {"type"}:
             return ProtocolInfoRequest()
-        return cls.from_payload(payload)
+        return _build(cls, {k: v for k, v in payload.items() if k != "type"}, "")
     except LocalProtocolError as exc:
         raise RemoteProtocolError("BAD_PAYLOAD", exc.error.message, task_id=task_id, fatal=False,
                                   details={**exc.error.details, "type": kind}) from None

@@ -27,6 +27,15 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 SNIFF_TIMEOUT_S = 1.0
 
 
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
 class SocketServer:
     def __init__(self, daemon: Daemon, path: Path, *, mode: int = 0o660, group: str | None = None,
                  max_connections: int = 128) -> None:
@@ -46,7 +55,10 @@ class SocketServer:
         if self.path.exists() or self.path.is_symlink():
             if not self.path.is_socket():
                 raise ApplianceError("BAD_REQUEST", f"{self.path} exists and is not a socket", {"path": str(self.path)})
-            self.path.unlink()
+            if _answers(self.path):
+                raise ApplianceError("INTERNAL", f"another appliance is already serving on {self.path}",
+                                     {"path": str(self.path)})
+            self.path.unlink()  # a stale socket left by a killed daemon
         old_umask = os.umask(0o777 & ~self.mode)  # the socket is never reachable with looser permissions
         try:
             self._server = await asyncio.start_unix_server(self._accept, path=str(self.path), limit=1 << 20,

@@ -17,9 +17,8 @@ from typing import Any
 
 DATA_DIR_PREFIX = "{data_dir}"
 
-_UNITS = {"": 1, "b": 1}
-for _i, _u in enumerate("kmgt", start=1):
-    _UNITS |= {_u: 1000**_i, f"{_u}b": 1000**_i, f"{_u}i": 1024**_i, f"{_u}ib": 1024**_i}
+_UNITS = {"": 1, "b": 1} | {u + s: (1024 if "i" in s else 1000) ** i
+                             for i, u in enumerate("kmgt", 1) for s in ("", "b", "i", "ib")}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _MODE = re.compile(r"(?:0o|0)?([0-7]{3})")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")

@@ -1,9 +1,11 @@
-"""Parse, validate and diff ``appliance.yaml`` (SPEC C1-C3) against the schema in :mod:`appliance.settings`.
+"""Parse and validate ``appliance.yaml`` (SPEC C1-C2) against the schema in :mod:`appliance.settings`.
 
 Pure: :func:`parse_config` takes text and returns a frozen :class:`Config`, or raises :class:`ConfigInvalid`
 with every :class:`Problem` at once, each with its key path and 1-based line (from the YAML node marks). The
 only IO is :func:`load_config` reading the file and the model-file existence check, which ``check_files``
-turns off (False) or replaces (a ``Path -> bool`` callable). :func:`diff` compares two configs for hot reload.
+turns off (False) or replaces (a ``Path -> bool`` callable). The config's dataclasses live in
+:mod:`appliance.configtypes` and :func:`diff` (hot reload, C3) in :mod:`appliance.configdiff`; both are
+re-exported here, so ``from appliance.config import Config, diff, ConfigDiff`` keeps working.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ import dataclasses
 import difflib
 import ipaddress
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import reduce
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,86 +23,14 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from appliance import settings as schema
+from appliance.configdiff import ConfigDiff, diff
+from appliance.configtypes import Config, EngineConfig, HttpConfig, ModelConfig, SocketConfig, TinySpec
 from appliance.errors import ApplianceError
 from appliance.settings import parse_size, render_docs, show
 
 __all__ = ["Config", "ConfigDiff", "ConfigInvalid", "EngineConfig", "HttpConfig", "ModelConfig", "Problem",
            "SocketConfig", "TinySpec", "default_config", "diff", "load_config", "parse_config", "parse_size",
            "render_docs"]
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    layers: int
-    dim: int
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    path: Path
-    vram_bytes: int | None  # None = auto (estimated from GGUF metadata)
-    n_ctx: int
-    n_gpu_layers: int  # -1 = all
-    idle_ttl_s: float  # 0 = never unload
-    cache_type: str
-    generate_if_missing: TinySpec | None
-
-
-@dataclass(frozen=True)
-class SocketConfig:
-    path: Path
-    mode: int
-    group: str | None
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    host: str
-    port: int
-    api_token: str | None
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    adaptive_window_size: int
-    adaptive_sample_rate: int
-    hot_pool_slack: float
-    async_switch: bool
-    thread_idle_thresholds: tuple[int, int]
-    warmup_runs: int
-    plan_boundaries: tuple[int, int]
-    threads: int  # 0 = automatic
-
-
-@dataclass(frozen=True)
-class Config:
-    """A validated configuration; every path is absolute. Field names are the schema's keys."""
-
-    source: Path | None
-    base_dir: Path
-    data_dir: Path
-    device: str
-    admission_percent: float
-    resync_interval_s: float
-    model_dirs: tuple[Path, ...]
-    socket: SocketConfig
-    http: HttpConfig
-    max_connections: int
-    max_frame_bytes: int
-    heartbeat_interval_s: float
-    log_level: str
-    engine: EngineConfig
-    models: tuple[ModelConfig, ...]
-
-    def model(self, name: str) -> ModelConfig | None:
-        """The configured model called ``name``, or None."""
-        return next((m for m in self.models if m.name == name), None)
-
-    def with_overrides(self, **changes: Any) -> Config:
-        """A copy with top-level fields replaced (not validated; meant for tests)."""
-        return dataclasses.replace(self, **changes)
 
 
 # The dataclass for each schema section ("" = top level); its field names are the section's keys.
@@ -353,54 +282,3 @@ def load_config(path: str | os.PathLike[str], *, check_files: bool | Callable[[P
 def default_config(base_dir: str | os.PathLike[str]) -> Config:
     """Every setting at its default, no models; relative default paths resolve against ``base_dir``."""
     return parse_config("", base_dir=Path(base_dir), check_files=False)
-
-
-@dataclass(frozen=True)
-class ConfigDiff:
-    """What changed between two configs: model names and setting key paths, in schema order.
-
-    ``reload_models``: changed models whose change needs the weights reloaded (a non-live key: path, n_ctx, …);
-    others (idle_ttl_s, generate_if_missing) apply in place. ``restart_settings``: changed settings that take
-    effect only after a restart (data_dir, device, socket.*, http.host/port). ``model_fields``: name -> keys.
-    """
-
-    added_models: tuple[str, ...] = ()
-    removed_models: tuple[str, ...] = ()
-    changed_models: tuple[str, ...] = ()
-    reload_models: tuple[str, ...] = ()
-    changed_settings: tuple[str, ...] = ()
-    restart_settings: tuple[str, ...] = ()
-    model_fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.added_models or self.removed_models or self.changed_models or self.changed_settings)
-
-    def summary(self) -> str:
-        """One line for logs and the reload history, e.g. ``added models: b; changed settings: engine.threads``."""
-        parts = (("added models", self.added_models), ("removed models", self.removed_models),
-                 ("changed models", [f"{n} ({', '.join(self.model_fields[n])})" for n in self.changed_models]),
-                 ("changed settings", self.changed_settings), ("restart needed for", self.restart_settings))
-        return "; ".join(f"{label}: {', '.join(names)}" for label, names in parts if names) or "no changes"
-
-    __str__ = summary
-
-
-def diff(old: Config, new: Config) -> ConfigDiff:
-    """The :class:`ConfigDiff` from ``old`` to ``new`` (``source`` and ``base_dir`` are not compared)."""
-    before, after = {m.name: m for m in old.models}, {m.name: m for m in new.models}
-    fields = {name: tuple(f.name for f in dataclasses.fields(ModelConfig)
-                          if getattr(before[name], f.name) != getattr(m, f.name))
-              for name, m in after.items() if name in before and before[name] != m}
-    def get(cfg: Config, key: str) -> Any:
-        return reduce(getattr, key.split("."), cfg)
-    settings = tuple(s.key for s in schema.SETTINGS
-                     if not s.key.startswith("models") and get(old, s.key) != get(new, s.key))
-    fixed = {s.name for s in schema.SETTINGS if s.section == "models" and not s.live}
-    return ConfigDiff(added_models=tuple(n for n in after if n not in before),
-                      removed_models=tuple(n for n in before if n not in after),
-                      changed_models=tuple(fields),
-                      reload_models=tuple(n for n, fs in fields.items() if fixed.intersection(fs)),
-                      changed_settings=settings,
-                      restart_settings=tuple(k for k in settings if not schema.BY_KEY[k].live),
-                      model_fields=fields)

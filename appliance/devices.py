@@ -1,7 +1,8 @@
 """Memory devices (SPEC L1): what the ledger's cap is a share of, read from NVML, the host, or a fake.
 
-Each device answers :meth:`MemoryDevice.read` with a :class:`DeviceReading` in bytes. :func:`parse_size`
-and :func:`parse_device_spec` are pure (for the config validator); :func:`open_device` is the IO edge.
+Each device answers :meth:`MemoryDevice.read` with a :class:`DeviceReading` in bytes. :func:`parse_device_spec`
+is pure; :func:`open_device` is the IO edge. Sizes (``fake:<size>``, :class:`FakeDevice`'s total) follow the
+config's one rule, :func:`appliance.settings.parse_size`: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024.
 
 Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least one GPU, else ``host``),
 ``host``, ``nvml:N`` (GPU index N), ``fake:<size>`` (e.g. ``fake:8GiB``, for tests).
@@ -13,7 +14,6 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -21,6 +21,7 @@ import pynvml
 
 from appliance.errors import ApplianceError
 from appliance.ledger import MAX_BYTES
+from appliance.settings import parse_size
 
 DeviceKind = Literal["nvml", "host", "fake"]
 
@@ -44,57 +45,6 @@ class MemoryDevice(Protocol):
     def read(self) -> DeviceReading: ...
 
     def close(self) -> None: ...
-
-
-# -- sizes --------------------------------------------------------------------------------------------------
-
-_UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    # IEC binary units, and bare letters (as in Docker, JVM -Xmx, `free -g`): powers of 1024.
-    "k": 2**10, "ki": 2**10, "kib": 2**10,
-    "m": 2**20, "mi": 2**20, "mib": 2**20,
-    "g": 2**30, "gi": 2**30, "gib": 2**30,
-    "t": 2**40, "ti": 2**40, "tib": 2**40,
-    # SI decimal units ending in B: powers of 1000.
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(value: int | str) -> int:
-    """Parse a byte size: an ``int`` (or integral float) >= 0, or a string ``<number>[ ]<unit>``.
-
-    Units are case-insensitive. Binary (1024-based): ``K Ki KiB``, ``M Mi MiB``, ``G Gi GiB``, ``T Ti TiB`` (a
-    bare letter is binary: ``2G`` = 2 GiB). Decimal (1000-based): ``KB MB GB TB`` (``1.5GB`` = 1_500_000_000).
-    ``B`` or no unit means bytes. A fraction must come to a whole number of bytes (``1.5KiB`` = 1536 is fine,
-    ``1.5`` is not). Raises ``ValueError`` naming the problem; the result is at most ``MAX_BYTES``.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"a size must be a number of bytes or a string like '8GiB', got {value!r}")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
-        value = int(value)
-    if isinstance(value, int):
-        result = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"not a size: {value!r} (expected e.g. 8GiB, 512 MiB, 2G, 1.5GB or 1048576; "
-                             "KiB/MiB/GiB/TiB and bare K/M/G/T are binary, KB/MB/GB/TB decimal)")
-        exact = Decimal(match.group(1)) * _UNITS[unit]  # the regex admits only valid decimals
-        if exact != exact.to_integral_value():
-            raise ValueError(f"size {value!r} is not a whole number of bytes ({exact})")
-        result = int(exact)
-    else:
-        raise ValueError(f"a size must be a number of bytes or a string like '8GiB', "
-                         f"got {type(value).__name__}")
-    if result < 0:
-        raise ValueError(f"a size cannot be negative, got {value!r}")
-    if result > MAX_BYTES:
-        raise ValueError(f"size {value!r} is larger than {MAX_BYTES} bytes")
-    return result
 
 
 # -- NVML ---------------------------------------------------------------------------------------------------
@@ -224,6 +174,8 @@ class FakeDevice:
         self.name = "fake"
         self._lock = threading.Lock()
         self.total = parse_size(total)
+        if self.total > MAX_BYTES:
+            raise ValueError(f"a device size must be at most {MAX_BYTES} bytes, got {total!r}")
         self.set_used(used)
         self.set_process_used(process_used)
 

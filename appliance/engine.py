@@ -132,7 +132,11 @@ class Runtime:
         conv.n_evaluated = self.llm.n_tokens
 
     def restore(self, conv: Conversation) -> None:
-        self.clear()
+        # Forget the live KV's cell bookkeeping only: the restored cells are overwritten and cells that hold
+        # no sequence are never attended, so wiping the data as well (clear() -> kv_cache_clear memsets the
+        # whole n_ctx-cell cache) would add a full-cache memset to every swap, however short the conversation.
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), False)
+        self.llm.n_tokens = 0
         if conv.buffer is None or conv.nbytes == 0:
             conv.n_evaluated = 0
             return
@@ -191,6 +195,9 @@ class Runtime:
         llm = self.llm
         start = time.perf_counter()
         conv.tokens.extend(new)
+        if llm.n_tokens >= len(conv.tokens):  # nothing pending: re-evaluate the last token for fresh logits
+            llm._ctx.kv_cache_seq_rm(0, len(conv.tokens) - 1, -1)
+            llm.n_tokens = len(conv.tokens) - 1
         sampler = llm._init_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                     min_p=0.0)
         llm.set_seed(sampling.seed)

@@ -377,15 +377,23 @@ def test_with_overrides_and_model_lookup():
 @pytest.mark.parametrize(("text", "n"), [
     (0, 0), (4096, 4096), ("1024", 1024), ("8GiB", 8 * 1024**3), ("512 MiB", 512 * 1024**2),
     ("16ki", 16 * 1024), ("2G", 2 * 10**9), ("1.5GB", 1_500_000_000), ("100k", 100_000), ("3B", 3),
-    ("1TiB", 1024**4), ("0.5KiB", 512), ("1.1KiB", 1126)])
+    ("1TiB", 1024**4), ("0.5KiB", 512), ("1.1KiB", 1126), ("100 b", 100), ("8gib", 8 * 1024**3),
+    ("2Gi", 2 * 1024**3), ("1.5GiB", 3 * 2**29), ("4K", 4000), ("4kB", 4000), ("3MB", 3_000_000),
+    ("1TB", 10**12), ("  7 MiB  ", 7 * 1024**2), (".5KiB", 512), ("2.KiB", 2048), ("1.5", 1)])
 def test_parse_size(text, n):
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", [-1, True, 1.5, None, "", "GiB", "8 XB", "1.2.3G", "-5MiB", [1]])
+@pytest.mark.parametrize("text", [-1, True, 1.5, 8e9, None, "", " ", "GiB", "8 XB", "8XB", "8 GiBs", "8 G iB",
+                                  "1.2.3G", "-5MiB", "-1", "1e9", "8,5GB", "0x10", [1]])
 def test_parse_size_rejects(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must"):
         parse_size(text)
+
+
+def test_parse_size_message_is_helpful():
+    with pytest.raises(ValueError, match=r"size like '16MiB', '2G' \(got '8XB'\)"):
+        parse_size("8XB")
 
 
 @given(st.integers(min_value=0, max_value=2**50))

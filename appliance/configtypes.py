@@ -1,0 +1,87 @@
+"""The value types of a validated ``appliance.yaml`` (SPEC C1): frozen dataclasses, one per schema section.
+
+Built by :func:`appliance.config.parse_config`; field names are the keys of :mod:`appliance.settings`. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Config", "EngineConfig", "HttpConfig", "ModelConfig", "SocketConfig", "TinySpec"]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    layers: int
+    dim: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: Path
+    vram_bytes: int | None  # None = auto (estimated from GGUF metadata)
+    n_ctx: int
+    n_gpu_layers: int  # -1 = all
+    idle_ttl_s: float  # 0 = never unload
+    cache_type: str
+    generate_if_missing: TinySpec | None
+
+
+@dataclass(frozen=True)
+class SocketConfig:
+    path: Path
+    mode: int
+    group: str | None
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str
+    port: int
+    api_token: str | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    adaptive_window_size: int
+    adaptive_sample_rate: int
+    hot_pool_slack: float
+    async_switch: bool
+    thread_idle_thresholds: tuple[int, int]
+    warmup_runs: int
+    plan_boundaries: tuple[int, int]
+    threads: int  # 0 = automatic
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated configuration; every path is absolute. Field names are the schema's keys."""
+
+    source: Path | None
+    base_dir: Path
+    data_dir: Path
+    device: str
+    admission_percent: float
+    resync_interval_s: float
+    model_dirs: tuple[Path, ...]
+    socket: SocketConfig
+    http: HttpConfig
+    max_connections: int
+    max_frame_bytes: int
+    heartbeat_interval_s: float
+    log_level: str
+    engine: EngineConfig
+    models: tuple[ModelConfig, ...]
+
+    def model(self, name: str) -> ModelConfig | None:
+        """The configured model called ``name``, or None."""
+        return next((m for m in self.models if m.name == name), None)
+
+    def with_overrides(self, **changes: Any) -> Config:
+        """A copy with top-level fields replaced (not validated; meant for tests)."""
+        return dataclasses.replace(self, **changes)

@@ -103,6 +103,7 @@ class Runtime:
         self.n_ctx = self.llm.n_ctx()
         self.eos = self.llm.token_eos()
         self.live: Conversation | None = None
+        self._pieces: dict[int, bytes] = {}
 
     def close(self) -> None:
         self.live = None
@@ -111,6 +112,20 @@ class Runtime:
     @property
     def weight_bytes(self) -> int:
         return int(llama_cpp.llama_model_size(self.llm.model))
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (cached; llama-cpp-python's own helper returns a padded buffer)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            size = 64
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, token, buf, size, 0, False)
+                if n >= 0:
+                    break
+                size = -n
+            cached = self._pieces[token] = buf.raw[:n]
+        return cached
 
     def tokenize(self, text: str, *, bos: bool) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=bos, special=False) if text else []
@@ -223,7 +238,7 @@ class Runtime:
                 if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
                     reason = "eos"
                     break
-                text = decoder.decode(llm._model.token_to_piece(tok))
+                text = decoder.decode(self.piece(tok))
                 pieces.append(text)
                 if on_token is not None:
                     on_token(Token(tok, text, len(out) - 1, time.time()))

@@ -1,8 +1,9 @@
 """The Unix-socket server: one socket, two protocols (SPEC P5, L6, R1, R4).
 
-The first bytes of a connection decide: ``MAGN`` -> binary frames (:mod:`appliance.magnsession`), anything
-else -> the line protocol (:mod:`appliance.linesession`). At most ``max_connections`` clients are served; the
-next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke and is closed.
+The first bytes of a connection decide: the MAGN magic (``4d 47 4e 54``) -> binary frames
+(:mod:`appliance.magnsession`), anything else -> the line protocol (:mod:`appliance.linesession`). At most
+``max_connections`` clients are served; the next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke
+and is closed.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 from appliance import lines
 from appliance.daemon import Daemon
 from appliance.errors import ApplianceError
+from appliance.frames import MAGIC_BYTES as MAGIC
 from appliance.linesession import serve_lines
+from appliance.magnsession import error_frame, serve_magn
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MAGN"
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 SNIFF_TIMEOUT_S = 1.0
 
@@ -107,13 +109,13 @@ class SocketServer:
             if not initial:
                 return
             if initial.startswith(MAGIC):
-                from appliance.magnsession import serve_magn
-
                 await serve_magn(self.daemon, reader, writer, initial)
             else:
                 await serve_lines(self.daemon, reader, writer, initial)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            pass  # the server is closing; ending quietly keeps asyncio from logging the cancellation
         except Exception:
             log.exception("connection handler failed")
         finally:
@@ -132,8 +134,6 @@ class SocketServer:
         except TimeoutError:
             initial = b""
         if initial.startswith(MAGIC):
-            from appliance.magnsession import error_frame
-
             writer.write(error_frame(error, None))
         else:
             writer.write(lines.format_error(error).encode())

@@ -237,19 +237,15 @@ class Daemon:
         model.inflight += 1
         try:
             await self.acquire(model)
-            conv = Conversation()
-            try:
-                return await self._run(model, conv, None, n_tokens, prompt, sampling, on_token, cancel)
-            finally:
-                if model.runtime is not None:
-                    await self.engine.call(model.runtime.detach, conv)
+            return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
+                                   ephemeral=True)
         finally:
             model.inflight -= 1
             model.last_used = self.clock()
 
     async def _run(self, model: Model, conv: Conversation, agent_id: str | None, n_tokens: int,
                    prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
-                   cancel: threading.Event | None) -> DecodeResult:
+                   cancel: threading.Event | None, ephemeral: bool = False) -> DecodeResult:
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
         runtime = model.runtime
@@ -261,7 +257,11 @@ class Daemon:
 
         def work() -> DecodeResult:
             swap = runtime.attach(conv)
-            generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set, delay)
+            try:
+                generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set, delay)
+            finally:
+                if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
+                    runtime.detach(conv)
             evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
             return DecodeResult(agent_id, model.key, generation, evicted, swap.restored)
 

@@ -49,9 +49,9 @@ class Appliance:
 
     @classmethod
     def from_file(cls, path: Path, **kwargs: object) -> Appliance:
-        config = load_config(path, check_files=lambda p: True)
+        config = load_config(path)  # a missing model file is fine when the config says how to generate it
         ensure_demo_models(config)
-        return cls(load_config(path), **kwargs)  # type: ignore[arg-type]
+        return cls(config, **kwargs)  # type: ignore[arg-type]
 
     @property
     def http_url(self) -> str | None:
@@ -62,6 +62,7 @@ class Appliance:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         device = self._device or open_device(config.device)
         self.daemon = Daemon(config, device)
+        self.daemon.on_change = self.write_registry
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
@@ -88,8 +89,7 @@ class Appliance:
         while True:
             await asyncio.sleep(period)
             try:
-                if await self.daemon.sweep_idle():
-                    self.write_registry()
+                await self.daemon.sweep_idle()
             except Exception:
                 log.exception("idle sweep failed")
 

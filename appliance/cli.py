@@ -86,6 +86,88 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def http_url(args: argparse.Namespace) -> str:
+    """The daemon's HTTP endpoint: the registry file's, else the config's host/port."""
+    from appliance.config import load_config
+
+    config = load_config(config_path(args), check_files=False)
+    doc = registry.read(config.data_dir)
+    if doc and doc.get("http"):
+        return str(doc["http"])
+    return f"http://{config.http.host}:{config.http.port}"
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from appliance.client import MagnClient
+
+    with MagnClient(str(socket_path(args)), timeout=args.timeout) as client:
+        request = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+                   "temperature": args.temperature}
+        if args.no_stream:
+            completion = client.infer(**request)
+            sys.stdout.write(completion.text)
+        else:
+            stream = client.stream(**request)
+            for token in stream:
+                sys.stdout.write(token.text)
+                sys.stdout.flush()
+            completion = stream.completion
+        sys.stdout.write("\n")
+        usage = completion.usage
+        print(f"[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens, "
+              f"stop={completion.stop_reason}, {completion.timings.get('elapsed_ms', 0):.1f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """One-line verdict on the HTTP health endpoint and the socket; non-zero when either fails."""
+    import json
+    import urllib.request
+
+    from appliance.client import MagnClient
+
+    problems: list[str] = []
+    url = http_url(args) + "/v1/health"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            doc = json.load(response)
+        if doc.get("status") != "ok":
+            problems.append(f"http status {doc.get('status')!r}")
+        if args.model and args.model not in {m["name"] for m in doc.get("models", [])}:
+            problems.append(f"model {args.model!r} not served")
+    except OSError as exc:
+        problems.append(f"http {url}: {getattr(exc, 'reason', exc)}")
+    path = socket_path(args)
+    try:
+        with MagnClient(str(path), timeout=args.timeout) as client:
+            info = client.protocol_info()
+    except (OSError, ApplianceError, TimeoutError) as exc:
+        problems.append(f"socket {path}: {exc}")
+        info = None
+    if problems:
+        print("unhealthy: " + "; ".join(problems))
+        return 1
+    assert info is not None
+    print(f"healthy: http {url} ok, socket {path} speaks MAGN v{info.version} ({info.server} {info.server_version})")
+    return 0
+
+
+def cmd_protocol_check(args: argparse.Namespace) -> int:
+    from appliance.client import MagnClient
+
+    expected = int(args.expect_version, 0)
+    with MagnClient(str(socket_path(args)), timeout=args.timeout) as client:
+        info = client.protocol_info()
+    supported = ", ".join(f"{v:#06x}" for v in info.supported_versions)
+    if expected != info.version and expected not in info.supported_versions:
+        print(f"protocol mismatch: expected {expected:#06x}, the daemon speaks {info.version:#06x} "
+              f"(supports {supported})")
+        return 1
+    print(f"protocol ok: {expected:#06x} (daemon speaks {info.version:#06x}, supports {supported}; "
+          f"schema {info.schema}, max_frame_bytes {info.max_frame_bytes})")
+    return 0
+
+
 def line_command(build: Callable[[argparse.Namespace], str]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         reply = lineclient.request(socket_path(args), build(args))
@@ -143,6 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("agent")
     decode.add_argument("n_tokens", type=int)
     decode.add_argument("prompt", nargs="?", default="")
+    infer = client(command("infer", cmd_infer, "generate over MAGN frames, streaming tokens to the terminal"))
+    infer.add_argument("--model", required=True)
+    infer.add_argument("prompt")
+    infer.add_argument("--max-tokens", type=int, default=64)
+    infer.add_argument("--temperature", type=float, default=0.0)
+    infer.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    infer.add_argument("--timeout", type=float, default=300.0)
+    health = client(command("health", cmd_health, "check the HTTP health endpoint and the socket"))
+    health.add_argument("--model", help="also require this model to be served")
+    health.add_argument("--timeout", type=float, default=5.0)
+    check = client(command("protocol-check", cmd_protocol_check, "check the daemon speaks a MAGN version"))
+    check.add_argument("--expect-version", default="0x0001", help="e.g. 0x0001")
+    check.add_argument("--timeout", type=float, default=5.0)
     return parser
 
 

@@ -89,6 +89,11 @@ class Daemon:
         self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
                                          "denials": 0}
         self.closing = False
+        self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- models ----------------------------------------------------------------------------------
     def resolve(self, ref: str) -> Model:
@@ -146,6 +151,7 @@ class Daemon:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
                 raise
             model.last_used = self.clock()
+            self._changed()
             if interrupted:
                 raise asyncio.CancelledError
 
@@ -162,6 +168,7 @@ class Daemon:
             model.anonymous = Conversation()
             await self.engine.call(runtime.close)
             self.ledger.release(model.key)
+            self._changed()
 
     async def sweep_idle(self) -> list[str]:
         """Unload models idle past their TTL (L7); returns their names."""

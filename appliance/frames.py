@@ -294,4 +294,5 @@ def _decode_payload(body: bytes) -> dict[str, Any]:
 
 
 def _remote_bad(stage: str, message: str, field: str | None = None) -> RemoteProtocolError:
-    return RemoteProtocolError("BAD_PAYLOAD", message, details={"stage": stage, "field": field}, fatal=False)
+    details = {"stage": stage, "field": field, "reason": message}
+    return RemoteProtocolError("BAD_PAYLOAD", message, details=details, fatal=False)

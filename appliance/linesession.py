@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
 import threading
 from typing import Any
 
 from appliance import lines
 from appliance.daemon import Daemon
 from appliance.errors import ApplianceError, internal
+from appliance.peer import peer_gone
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +139,3 @@ async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyn
         writer.write(reply.encode("utf-8"))
         await writer.drain()
 
-
-def peer_gone(writer: asyncio.StreamWriter) -> bool:
-    """After EOF: has the client closed the whole socket (POLLHUP), not just its sending half (nc -N)?"""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return True
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLHUP)
-    return any(event & select.POLLHUP for _, event in poller.poll(0))

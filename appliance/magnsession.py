@@ -21,6 +21,7 @@ from appliance.daemon import Daemon, DecodeResult
 from appliance.engine import Sampling, Token
 from appliance.errors import ApplianceError, internal
 from appliance.frames import HEADER, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
+from appliance.peer import peer_gone
 from appliance.prompts import render_chat
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ class MagnSession:
                 if event is NEED_DATA:
                     chunk = await reader.read(1 << 16)
                     parser.receive_data(chunk)
-                    if not chunk and not self.tasks:
-                        return
+                    if not chunk and peer_gone(self.writer):
+                        return  # the client died: the finally below cancels its tasks (R3)
                     continue
                 if not hasattr(event, "payload"):  # CLOSED: the client finished sending
                     await self._finish_tasks()
@@ -181,8 +182,10 @@ class MagnSession:
                     await getter
                 if not done:
                     self.send(m.Heartbeat(task.request.task_id, time.time()))
-            with contextlib.suppress(ConnectionError):
+            try:
                 await self.writer.drain()
+            except ConnectionError:
+                task.cancel.set()  # nobody is listening any more: stop at the next token
 
     def _token(self, task: Task, token: Token) -> None:
         self.send(m.StreamToken(task.request.task_id, token.text, token.id, token.timestamp))

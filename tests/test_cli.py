@@ -1,0 +1,120 @@
+"""The `appliance` command end to end: real processes, the shipped config's shape, a real daemon."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def appliance(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=ROOT)
+    if check:
+        assert result.returncode == 0, result.stderr + result.stdout
+    return result
+
+
+def test_config_check_reports_three_mistakes_with_their_lines(tmp_path: Path) -> None:
+    bad = tmp_path / "appliance.yaml"
+    bad.write_text(
+        "data_dir: ./data\n"
+        "admission_percnt: 90\n"           # line 2: unknown key
+        "max_connections: lots\n"          # line 3: wrong type
+        "http:\n"
+        "  port: 99999\n"                  # line 5: out of range
+        "models: []\n")
+    result = appliance("config", "check", str(bad))
+    assert result.returncode == 1
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3, result.stdout
+    assert ":2: admission_percnt" in lines[0] and "admission_percent" in lines[0]  # with a suggestion
+    assert ":3: max_connections" in lines[1]
+    assert ":5: http.port" in lines[2]
+
+
+def test_run_refuses_an_invalid_file_with_the_report(tmp_path: Path) -> None:
+    bad = tmp_path / "appliance.yaml"
+    bad.write_text("device: gpu-please\nmodels:\n  - name: m\n    path: ./missing.gguf\n")
+    result = appliance("run", "--config", str(bad), timeout=60)
+    assert result.returncode == 2
+    assert "refusing to start, 2 problem(s)" in result.stderr
+    assert ":1: device" in result.stderr and ":4: models[0].path" in result.stderr
+
+
+def test_shipped_config_is_valid() -> None:
+    # Valid on a fresh clone too: the demo models' files may be missing because run generates them.
+    result = appliance("config", "check", str(ROOT / "appliance.yaml"))
+    assert result.returncode == 0, result.stdout
+    assert "ok (2 model(s)" in result.stdout
+
+
+@pytest.fixture
+def daemon_config() -> Iterator[Path]:
+    state = Path(tempfile.mkdtemp(prefix="apc-"))
+    config = {
+        "data_dir": str(state),
+        "device": "fake:8GiB",
+        "http": {"port": 0},
+        "models": [{"name": "demo", "path": str(state / "models" / "demo.gguf"),
+                    "generate_if_missing": {"layers": 2, "dim": 128, "seed": 3}}],
+    }
+    path = state / "appliance.yaml"
+    path.write_text(yaml.safe_dump(config))
+    yield path
+    subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def test_run_serves_the_socket_and_http_until_sigterm(daemon_config: Path) -> None:
+    state = daemon_config.parent
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(daemon_config)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "registry.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the daemon did not come up"
+            time.sleep(0.1)
+        registry = json.loads((state / "registry.json").read_text())
+        assert registry["models"]["demo"]["state"] == "available"
+        assert (state / "models" / "demo.gguf").exists()  # the demo model was made offline
+        cfg = ["--config", str(daemon_config)]
+        appliance("register", "a", "demo", *cfg, check=True)
+        decode = appliance("decode", "a", "8", "Hello", *cfg, check=True).stdout
+        assert "OK invoke=DECODE agent_id=a" in decode and "BEGIN_RESPONSE" in decode
+        assert json.loads((state / "registry.json").read_text())["models"]["demo"]["state"] == "loaded"
+        health = appliance("health", "--model", "demo", *cfg, check=True).stdout
+        assert health.startswith("healthy: http http://127.0.0.1:")
+        assert "ok" in appliance("protocol-check", "--expect-version", "0x0001", *cfg, check=True).stdout
+        assert appliance("protocol-check", "--expect-version", "0x0002", *cfg).returncode == 1
+        infer = appliance("infer", "--model", "demo", "Hello", "--max-tokens", "5", *cfg, check=True)
+        assert "5 generated tokens" in infer.stderr
+        error = appliance("decode", "ghost", "4", "hi", *cfg)
+        assert error.returncode == 1 and error.stdout.startswith("ERR UNKNOWN_AGENT")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
+    assert not (state / "appliance.sock").exists() and not (state / "registry.json").exists()
+    unhealthy = appliance("health", "--config", str(daemon_config), "--timeout", "2")
+    assert unhealthy.returncode == 1 and unhealthy.stdout.startswith("unhealthy:")
+
+
+def test_make_tiny_writes_a_model_llama_cpp_loads(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    result = appliance("models", "make-tiny", str(out), "--layers", "2", "--dim", "128", check=True)
+    assert str(out) in result.stdout and out.stat().st_size > 100_000
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, verbose=False)
+    assert llm.tokenize(b"Hello")[0] == llm.token_bos()

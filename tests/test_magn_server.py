@@ -1,0 +1,250 @@
+"""MAGN frames against the real daemon on its socket (P1–P5, R1, R3)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import running
+
+from appliance import messages as m
+from appliance.client import MagnClient
+from appliance.errors import ApplianceError
+from appliance.frames import HEADER, MAGIC, NEED_DATA, FrameParser, encode_frame
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path, tiny_model: Path) -> Path:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_model, folder / "tiny.gguf")
+    return folder
+
+
+class RawPeer:
+    """A hand-driven MAGN peer: send payloads or raw bytes, read decoded messages."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(30)
+        self.sock.connect(str(path))
+        self.parser = FrameParser()
+
+    def send(self, payload: dict) -> None:
+        self.sock.sendall(encode_frame(payload))
+
+    def read(self) -> m.Message:
+        while True:
+            event = self.parser.next_event()
+            if event is not NEED_DATA:
+                return m.parse_message(event.payload)
+            self.parser.receive_data(self.sock.recv(65536))
+
+    def read_until_end(self, task_id: str) -> list[m.Message]:
+        out = []
+        while True:
+            msg = self.read()
+            out.append(msg)
+            if isinstance(msg, m.TaskComplete | m.ErrorMessage) and getattr(msg, "task_id", None) == task_id:
+                return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_streaming_delivers_tokens_then_a_completion_with_their_text(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        peer = RawPeer(app.socket)
+        peer.send({"type": "INFER_REQUEST", "task_id": "t1", "model": "tiny", "prompt": "Hello world",
+                   "max_tokens": 12, "temperature": 0, "stream": True})
+        got = peer.read_until_end("t1")
+        tokens = [msg for msg in got if isinstance(msg, m.StreamToken)]
+        done = got[-1]
+        assert isinstance(done, m.TaskComplete)
+        assert len(tokens) == done.usage.completion_tokens == 12 or done.stop_reason == "stop"
+        assert done.text == "".join(t.text for t in tokens)
+        assert done.usage.prompt_tokens == 3 and "elapsed_ms" in done.timings
+        assert all(t.task_id == "t1" for t in tokens)
+        peer.close()
+
+
+def test_two_tasks_in_flight_on_one_connection_both_complete(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        peer = RawPeer(app.socket)
+        for task in ("a", "b"):
+            peer.send({"type": "INFER_REQUEST", "task_id": task, "model": "tiny", "prompt": "Hi",
+                       "max_tokens": 6, "temperature": 0})
+        finished = {}
+        while len(finished) < 2:
+            msg = peer.read()
+            if isinstance(msg, m.TaskComplete):
+                finished[msg.task_id] = msg.text
+        assert finished["a"] == finished["b"]  # same greedy request, same text
+        peer.close()
+
+
+def test_stalled_generation_sends_heartbeats(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
+                 heartbeat_interval_s=0.1) as app:
+        app.daemon.engine.token_delay_s = 0.35  # the test hook: each token stalls
+        with MagnClient(str(app.socket), timeout=60) as client:
+            completion = client.infer(model="tiny", prompt="Hi", max_tokens=3, temperature=0, stream=True)
+            assert completion.usage.completion_tokens == 3
+            assert client.heartbeats >= 3
+
+
+def test_cancel_stops_generation_at_the_next_token(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        app.daemon.engine.token_delay_s = 0.05
+        peer = RawPeer(app.socket)
+        peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "tiny", "prompt": "Hi",
+                   "max_tokens": 400, "temperature": 0, "stream": True})
+        first = peer.read()
+        assert isinstance(first, m.StreamToken)
+        start = time.monotonic()
+        peer.send({"type": "CANCEL", "task_id": "long"})
+        got = peer.read_until_end("long")
+        assert time.monotonic() - start < 2  # not the 20 s the whole request would take
+        end = got[-1]
+        assert isinstance(end, m.ErrorMessage) and end.error.code == "CANCELLED"
+        assert end.error.details["completion_tokens"] < 400
+        assert app.daemon.models["tiny"].inflight == 0
+        peer.close()
+
+
+def test_client_disconnect_mid_stream_cancels_its_generation(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf"), "vram_bytes": "1GiB"}},
+                 model_dirs=[model_dir]) as app:
+        daemon = app.daemon
+        daemon.engine.token_delay_s = 0.05
+        peer = RawPeer(app.socket)
+        peer.send({"type": "TASK_START", "task_id": "s", "session_id": "agent-x", "model": "tiny"})
+        assert isinstance(peer.read(), m.TaskStart)
+        peer.send({"type": "INFER_REQUEST", "task_id": "t", "session_id": "agent-x", "prompt": "Hi",
+                   "max_tokens": 400, "stream": True})
+        assert isinstance(peer.read(), m.StreamToken)
+        peer.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (daemon.agents or daemon.models["tiny"].inflight):
+            time.sleep(0.05)
+        # The session's agent belonged to the connection: nothing is left behind (R3).
+        assert not daemon.agents and daemon.models["tiny"].inflight == 0
+        assert daemon.ledger.allocated == 0 and daemon.models["tiny"].runtime is None
+        assert not app.appliance.socket_server.connections
+
+
+def test_protocol_errors_are_p4_frames(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
+                 max_frame_bytes=4096) as app:
+        peer = RawPeer(app.socket)
+        peer.send({"type": "INFER_REQUEST", "task_id": "x", "model": "tiny", "prompt": "hi", "max_tokens": 0})
+        err = peer.read()
+        assert isinstance(err, m.ErrorMessage) and err.error.code == "BAD_PAYLOAD" and err.task_id == "x"
+        peer.sock.sendall(HEADER.pack(MAGIC, 1, 8) + b"!!!!!!!!")  # framing intact, payload not base64
+        assert peer.read().error.code == "BAD_PAYLOAD"
+        peer.send({"type": "INFER_REQUEST", "task_id": "y", "model": "ghost", "prompt": "hi"})
+        err = peer.read()
+        assert err.error.code == "UNKNOWN_MODEL" and err.task_id == "y"
+        peer.send({"type": "PROTOCOL_INFO"})  # the connection still works after recoverable errors
+        assert isinstance(peer.read(), m.ProtocolInfo)
+        peer.sock.sendall(HEADER.pack(MAGIC, 1, 5000))  # over max_frame_bytes: refused before any payload
+        err = peer.read()
+        assert err.error.code == "FRAME_TOO_LARGE"
+        assert peer.sock.recv(10) == b""  # and the connection is closed
+        peer.close()
+        version = RawPeer(app.socket)
+        version.sock.sendall(HEADER.pack(MAGIC, 2, 4) + b"e30=")
+        assert version.read().error.code == "UNSUPPORTED_VERSION"
+        assert version.sock.recv(10) == b""
+        version.close()
+
+
+def test_connection_129_is_refused_and_the_first_128_keep_working(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        peers = [RawPeer(app.socket) for _ in range(128)]
+        for peer in peers:
+            peer.send({"type": "PROTOCOL_INFO"})
+            assert isinstance(peer.read(), m.ProtocolInfo)
+        extra = RawPeer(app.socket)
+        extra.send({"type": "PROTOCOL_INFO"})
+        refusal = extra.read()
+        assert isinstance(refusal, m.ErrorMessage) and refusal.error.code == "TOO_MANY_CONNECTIONS"
+        assert extra.sock.recv(10) == b""
+        extra.close()
+        line = socket.socket(socket.AF_UNIX)
+        line.connect(str(app.socket))
+        line.sendall(b"STATUS\n")
+        assert line.recv(200).startswith(b"ERR TOO_MANY_CONNECTIONS")
+        line.close()
+        for peer in (peers[0], peers[64], peers[-1]):
+            peer.send({"type": "INFER_REQUEST", "task_id": "t", "model": "tiny", "prompt": "Hi", "max_tokens": 2})
+            assert isinstance(peer.read_until_end("t")[-1], m.TaskComplete)
+        for peer in peers:
+            peer.close()
+        deadline = time.monotonic() + 5
+        while len(app.appliance.socket_server.connections) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with MagnClient(str(app.socket), timeout=30) as client:  # room again once they left
+            assert client.protocol_info().version == 1
+
+
+def test_garbage_connections_never_disturb_a_well_behaved_client(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        rng = random.Random(7)
+        stop = threading.Event()
+        results: list[str] = []
+        failures: list[BaseException] = []
+
+        def good_client() -> None:
+            try:
+                with MagnClient(str(app.socket), timeout=60) as client:
+                    while not stop.is_set():
+                        results.append(client.infer(model="tiny", prompt="Hello", max_tokens=4, temperature=0).text)
+            except BaseException as exc:  # reported below
+                failures.append(exc)
+
+        worker = threading.Thread(target=good_client)
+        worker.start()
+        magn = encode_frame({"type": "PROTOCOL_INFO"})
+        for i in range(2000):
+            kind = i % 4
+            if kind == 0:
+                data = rng.randbytes(rng.randrange(1, 200))
+            elif kind == 1:
+                data = magn[:6] + rng.randbytes(rng.randrange(0, 64))  # MAGN header, garbage after
+            elif kind == 2:
+                cut = rng.randrange(1, len(magn))
+                data = magn[:cut]  # truncated frame
+            else:
+                data = bytes([0x4D]) + rng.randbytes(rng.randrange(0, 40))
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(10)
+                sock.connect(str(app.socket))
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(65536):
+                    pass
+        stop.set()
+        worker.join(60)
+        assert not failures, failures
+        assert len(results) >= 5 and len(set(results)) == 1  # correct, identical greedy answers throughout
+        with MagnClient(str(app.socket), timeout=30) as client:
+            assert client.protocol_info().server == "appliance"
+
+
+def test_client_library_raises_p4_errors(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app, \
+            MagnClient(str(app.socket), timeout=30) as client:
+        with pytest.raises(ApplianceError) as info:
+            client.infer(session_id="nobody", prompt="x", max_tokens=2)
+        assert info.value.code == "UNKNOWN_AGENT"
+        client.start_task("s1", "tiny")
+        first = client.infer(session_id="s1", prompt="Hello", max_tokens=4, temperature=0)
+        second = client.infer(session_id="s1", prompt="", max_tokens=4, temperature=0)
+        fresh = client.infer(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert first.text + second.text == fresh.text  # the session's conversation continued

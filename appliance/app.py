@@ -68,6 +68,7 @@ class Appliance:
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
                                           group=config.socket.group, max_connections=config.max_connections)
         await self.socket_server.start()
+        self.daemon.reports["socket"] = self.socket_server.report
         if self.http_server is not None:
             self._tasks.append(asyncio.create_task(self.http_server.run_forever(), name="http"))
             while not self.http_server.started:

@@ -90,6 +90,7 @@ class Daemon:
                                          "denials": 0}
         self.closing = False
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
+        self.reports: dict[str, Callable[[], dict[str, Any]]] = {}  # other parts' figures for STATUS
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -324,4 +325,5 @@ class Daemon:
                            "external_bytes": self.external},
                 "ledger": {"cap_bytes": ledger.cap, "allocated_bytes": ledger.allocated,
                            "admission_percent": self.config.admission_percent},
-                "models": models, "agents": agents, "counters": dict(self.counters)}
+                "models": models, "agents": agents, "counters": dict(self.counters),
+                "extra": {name: report() for name, report in self.reports.items()}}

@@ -139,6 +139,13 @@ class SocketServer:
             writer.write(lines.format_error(error).encode())
         await writer.drain()
 
+    def report(self) -> dict[str, object]:
+        """Connection figures for STATUS: the kernel's granted buffer sizes next to the 4 MiB asked."""
+        return {"path": str(self.path), "connections": len(self.connections), "max_connections": self.max_connections,
+                "accepted": self.accepted, "refused": self.refused, "buffer_asked_bytes": SOCKET_BUFFER_BYTES,
+                "sndbuf_granted_bytes": self.buffer_bytes.get("sndbuf"),
+                "rcvbuf_granted_bytes": self.buffer_bytes.get("rcvbuf")}
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

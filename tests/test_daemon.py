@@ -253,6 +253,9 @@ def test_status_shows_device_ledger_models_agents_and_measured_bytes(model_dir: 
         estimate = app.daemon.models["tiny"].estimate
         assert f"estimate_bytes={estimate}" in model_line and estimate > 0
         assert "agent id=a model=tiny tokens=" in status
+        socket_line = next(line for line in status.splitlines() if line.startswith("socket "))
+        assert "connections=1 max_connections=128" in socket_line and "buffer_asked_bytes=4194304" in socket_line
+        assert int(socket_line.split("sndbuf_granted_bytes=")[1].split()[0]) > 0
         listing = app.line("LIST")
         assert "model name=tiny" in listing and "vram_bytes=auto" in listing
 

@@ -40,7 +40,6 @@ class Model:
     decodes: int = 0
     baseline: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    anonymous: Conversation = field(default_factory=Conversation)
 
     def view(self) -> policy.ModelView:
         return policy.ModelView(self.key, self.runtime is not None, self.refcount, self.inflight,
@@ -161,22 +160,24 @@ class Daemon:
         spec = model.spec
         return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
 
-    async def unload(self, model: Model) -> None:
+    async def unload(self, model: Model, still: Callable[[policy.ModelView], bool] | None = None) -> bool:
+        """Unload ``model`` and release its bytes; with ``still``, only if the policy still agrees once the
+        model's lock is held (an agent may have registered meanwhile)."""
         async with model.lock:
+            if model.runtime is None or (still is not None and not still(model.view())):
+                return False
             runtime, model.runtime = model.runtime, None
-            if runtime is None:
-                return
-            model.anonymous = Conversation()
             await self.engine.call(runtime.close)
             self.ledger.release(model.key)
-            self._changed()
+        self._changed()
+        return True
 
     async def sweep_idle(self) -> list[str]:
         """Unload models idle past their TTL (L7); returns their names."""
         names = policy.expired([m.view() for m in self.models.values()], self.clock())
-        for name in names:
-            await self.unload(self.models[name])
-        return names
+        idle = [name for name in names
+                if await self.unload(self.models[name], lambda v: bool(policy.expired([v], self.clock())))]
+        return idle
 
     # -- agents ----------------------------------------------------------------------------------
     async def register(self, agent_id: str, ref: str, owner: object | None = None) -> Agent:
@@ -209,8 +210,7 @@ class Daemon:
             model.refcount -= 1
             if model.runtime is not None:
                 await self.engine.call(model.runtime.detach, agent.conversation)
-            if policy.unload_on_release(model.view()):
-                await self.unload(model)
+            await self.unload(model, policy.unload_on_release)
 
     def agent(self, agent_id: str) -> Agent:
         agent = self.agents.get(agent_id)

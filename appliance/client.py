@@ -261,7 +261,13 @@ class MagnClient:
         if self.closed:
             coro.close()
             raise ConnectionError("the client is closed")
-        return self._runner.run(asyncio.wait_for(coro, self.timeout))
+        return self._runner.get_loop().run_until_complete(self._bounded(coro))
+
+    async def _bounded(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        if self.timeout is None:
+            return await coro
+        async with asyncio.timeout(self.timeout):
+            return await coro
 
     @property
     def heartbeats(self) -> int:  # HEARTBEAT messages received on this connection

@@ -147,11 +147,7 @@ class Runtime:
         conv.n_evaluated = self.llm.n_tokens
 
     def restore(self, conv: Conversation) -> None:
-        # Forget the live KV's cell bookkeeping only: the restored cells are overwritten and cells that hold
-        # no sequence are never attended, so wiping the data as well (clear() -> kv_cache_clear memsets the
-        # whole n_ctx-cell cache) would add a full-cache memset to every swap, however short the conversation.
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), False)
-        self.llm.n_tokens = 0
+        self.clear()
         if conv.buffer is None or conv.nbytes == 0:
             conv.n_evaluated = 0
             return
@@ -164,7 +160,10 @@ class Runtime:
         self.llm.n_tokens = conv.n_evaluated
 
     def clear(self) -> None:
-        self.llm._ctx.kv_cache_clear()
+        """Forget the live KV's cell bookkeeping only: cells that hold no sequence are never attended and are
+        overwritten when used, so wiping their data too (llama-cpp-python's kv_cache_clear memsets the whole
+        n_ctx-cell cache) would cost a full-cache memset per swap or stateless request."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), False)
         self.llm.n_tokens = 0
 
     def attach(self, conv: Conversation) -> SwapReport:

@@ -9,6 +9,7 @@ generation at the next token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -132,29 +133,55 @@ class MagnSession:
     async def infer(self, task: Task) -> None:
         request = task.request
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Token] = asyncio.Queue()
+        pending: collections.deque[Token] = collections.deque()
+        scheduled = False
+        last = time.monotonic()
+
+        def flush() -> None:  # on the loop: every token the engine produced so far, in one write
+            nonlocal scheduled, last
+            scheduled = False
+            if pending:
+                frames = []
+                while pending:
+                    token = pending.popleft()
+                    frames.append(m.encode_message(m.StreamToken(request.task_id, token.text, token.id,
+                                                                 token.timestamp)))
+                if self.writer.is_closing():
+                    task.cancel.set()  # nobody is listening any more: stop at the next token
+                else:
+                    self.writer.write(b"".join(frames))
+                last = time.monotonic()
 
         def on_token(token: Token) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, token)
+            nonlocal scheduled
+            pending.append(token)
+            if not scheduled:
+                scheduled = True
+                loop.call_soon_threadsafe(flush)
 
+        def beat() -> None:  # HEARTBEAT when no token came for the interval
+            nonlocal last, timer
+            now = time.monotonic()
+            if now - last >= self.heartbeat_s:
+                self.send(m.Heartbeat(request.task_id, time.time()))
+                last = now
+            timer = loop.call_at(loop.time() + self.heartbeat_s - (now - last), beat)
+
+        timer = loop.call_later(self.heartbeat_s, beat)
         prompt = request.prompt if request.prompt is not None else render_chat(request.messages or ())
         sampling = Sampling(temperature=request.temperature, top_p=request.top_p, stop=request.stop)
-        if request.session_id is not None:
-            call = self.daemon.decode(request.session_id, request.max_tokens, prompt, sampling,
-                                      on_token if request.stream else None, task.cancel)
-        else:
-            assert request.model is not None
-            call = self.daemon.complete(request.model, request.max_tokens, prompt, sampling,
-                                        on_token if request.stream else None, task.cancel)
-        job = asyncio.ensure_future(call)
         try:
-            await self._pump(task, job, queue)
-            result = job.result()
+            if request.session_id is not None:
+                result = await self.daemon.decode(request.session_id, request.max_tokens, prompt, sampling,
+                                                  on_token if request.stream else None, task.cancel)
+            else:
+                assert request.model is not None
+                result = await self.daemon.complete(request.model, request.max_tokens, prompt, sampling,
+                                                    on_token if request.stream else None, task.cancel)
             if result.generation.stop_reason == "cancelled":
                 raise ApplianceError("CANCELLED", "the task was cancelled",
                                      {"completion_tokens": result.generation.generated_tokens})
-            while not queue.empty():
-                self._token(task, queue.get_nowait())
+            flush()
             self.send(completion(request.task_id, result))
         except ApplianceError as exc:
             self.send(m.ErrorMessage.of(exc, request.task_id))
@@ -162,30 +189,10 @@ class MagnSession:
             log.exception("MAGN task failed")
             self.send(m.ErrorMessage.of(internal(exc), request.task_id))
         finally:
+            timer.cancel()
             self.tasks.pop(request.task_id, None)
             with contextlib.suppress(ConnectionError):
                 await self.writer.drain()
-
-    async def _pump(self, task: Task, job: asyncio.Future[DecodeResult], queue: asyncio.Queue[Token]) -> None:
-        """Forward tokens as they come; HEARTBEAT when none came for the interval."""
-        while not job.done():
-            getter = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({job, getter}, timeout=self.heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                self._token(task, getter.result())
-            else:
-                getter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await getter
-                if not done:
-                    self.send(m.Heartbeat(task.request.task_id, time.time()))
-            try:
-                await self.writer.drain()
-            except ConnectionError:
-                task.cancel.set()  # nobody is listening any more: stop at the next token
-
-    def _token(self, task: Task, token: Token) -> None:
-        self.send(m.StreamToken(task.request.task_id, token.text, token.id, token.timestamp))
 
 
 STOP_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

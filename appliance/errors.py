@@ -25,6 +25,8 @@ _KINDS = [
     ErrorKind("BAD_PAYLOAD", 400, False, "the payload is not base64 of a UTF-8 JSON object of a known schema"),
     ErrorKind("BAD_REQUEST", 400, False, "the request is malformed or has invalid arguments"),
     ErrorKind("UNKNOWN_COMMAND", 400, False, "the line protocol has no such command"),
+    ErrorKind("NOT_FOUND", 404, False, "no such HTTP resource"),
+    ErrorKind("METHOD_NOT_ALLOWED", 405, False, "the HTTP resource does not take this method"),
     ErrorKind("UNKNOWN_MODEL", 404, False, "no such model is configured or allowed"),
     ErrorKind("UNKNOWN_AGENT", 404, False, "no such agent is registered"),
     ErrorKind("AGENT_EXISTS", 409, False, "an agent with this id is already registered"),

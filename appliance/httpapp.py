@@ -52,9 +52,13 @@ def create_app(appliance: Appliance) -> Starlette:
         return JSONResponse(health_document(appliance))
 
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(ApplianceError("BAD_REQUEST", f"no route {request.url.path}", {"status": 404}))
+        return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}))
 
-    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers={404: not_found})
+    async def bad_method(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
+                                             {"path": request.url.path, "method": request.method}))
+
+    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers={404: not_found, 405: bad_method})
     app.state.appliance = appliance
     return app
 

@@ -73,6 +73,10 @@ def test_health_answers_from_memory_while_a_decode_runs(model_dir: Path) -> None
         url = app.appliance.http_url + "/v1/health"
         doc = httpx.get(url).json()
         assert doc["status"] == "ok" and doc["models"][0]["name"] == "tiny" and doc["context_length"] == 2048
+        missing = httpx.get(app.appliance.http_url + "/v1/nothing")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
+        wrong = httpx.post(url)
+        assert wrong.status_code == 405 and set(wrong.json()["error"]) == {"code", "message", "retryable", "details"}
         app.line("REGISTER a tiny")
         app.daemon.engine.token_delay_s = 0.02
         worker = threading.Thread(target=app.line, args=("DECODE a 60 Hello",))

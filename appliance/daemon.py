@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import gguf_meta, policy
+from appliance import gguf_meta, policy, settings
 from appliance.config import Config, ModelConfig
 from appliance.devices import DeviceReading, MemoryDevice
 from appliance.engine import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
@@ -62,6 +62,17 @@ class DecodeResult:
     generation: Generation
     evicted: str | None
     restored: bool
+
+
+def model_defaults(name: str, path: Path) -> ModelConfig:
+    """A model registered by path takes every ``models[]`` setting's schema default."""
+    def default(key: str) -> Any:
+        setting = settings.BY_KEY[f"models[].{key}"]
+        return setting.kind.convert(setting.default)
+
+    return ModelConfig(name=name, path=path, vram_bytes=default("vram_bytes"), n_ctx=default("n_ctx"),
+                       n_gpu_layers=default("n_gpu_layers"), idle_ttl_s=default("idle_ttl_s"),
+                       cache_type=default("cache_type"), generate_if_missing=None)
 
 
 def process_bytes(reading: DeviceReading) -> int:
@@ -111,9 +122,7 @@ class Daemon:
             if not gguf_meta.is_gguf(resolved):
                 raise ApplianceError("BAD_REQUEST", "not a GGUF file", {"path": ref})
             configured = [m for m in self.config.models if m.path.resolve() == resolved]
-            spec = configured[0] if configured else ModelConfig(
-                name=str(resolved), path=resolved, vram_bytes=None, n_ctx=2048, n_gpu_layers=0,
-                idle_ttl_s=1800.0, cache_type="f16", generate_if_missing=None)
+            spec = configured[0] if configured else model_defaults(str(resolved), resolved)
         if spec is None:
             raise ApplianceError("UNKNOWN_MODEL", f"no model named {ref!r}",
                                  {"model": ref, "known": [m.name for m in self.config.models]})

@@ -193,6 +193,7 @@ class FrameParser:
         self.max_frame_bytes = max_frame_bytes
         self._buffer = bytearray()
         self._length: int | None = None  # payload length of the frame whose header was read
+        self.last_length = 0  # payload length of the last frame returned (for debug logs)
         self._version = VERSION
         self._eof = False
         self._error: RemoteProtocolError | None = None
@@ -258,7 +259,7 @@ class FrameParser:
             return self._starved()
         body = bytes(buf[HEADER.size:end])
         del buf[:end]
-        self._length = None
+        self.last_length, self._length = self._length, None
         payload = _decode_payload(body)
         try:
             return Frame(payload, self._version)

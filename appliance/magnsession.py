@@ -21,7 +21,7 @@ from appliance import messages as m
 from appliance.daemon import Daemon, DecodeResult
 from appliance.engine import Sampling, Token
 from appliance.errors import ApplianceError, internal
-from appliance.frames import HEADER, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
+from appliance.frames import HEADER, MAGIC, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
 from appliance.peer import peer_gone
 from appliance.prompts import render_chat
 
@@ -81,7 +81,8 @@ class MagnSession:
                 if event.version not in SUPPORTED_VERSIONS:  # the parser refuses these; belt and braces
                     return
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("MAGN in version=%d %s", event.version, event.payload)
+                    log.debug("MAGN in magic=%#x version=%d length=%d %s", MAGIC, event.version, parser.last_length,
+                              event.payload)
                 try:
                     message = m.parse_message(event.payload)
                 except RemoteProtocolError as exc:

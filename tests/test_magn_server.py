@@ -248,3 +248,17 @@ def test_client_library_raises_p4_errors(model_dir: Path) -> None:
         second = client.infer(session_id="s1", prompt="", max_tokens=4, temperature=0)
         fresh = client.infer(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
         assert first.text + second.text == fresh.text  # the session's conversation continued
+
+
+def test_debug_logging_shows_each_frame_header_and_payload(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        caplog.set_level("DEBUG", logger="appliance.magnsession")
+        peer = RawPeer(app.socket)
+        peer.send({"type": "PROTOCOL_INFO"})
+        assert isinstance(peer.read(), m.ProtocolInfo)
+        peer.close()
+        length = len(encode_frame({"type": "PROTOCOL_INFO"})) - HEADER.size
+        messages = [r.getMessage() for r in caplog.records if r.name == "appliance.magnsession"]
+        assert f"MAGN in magic=0x4d474e54 version=1 length={length} {{'type': 'PROTOCOL_INFO'}}" in messages
+        assert any(text.startswith("MAGN out magic=0x4d474e54 version=1 length=") and "'schema': 'magn/1'" in text
+                   for text in messages)

@@ -46,6 +46,7 @@ class Appliance:
         self.http_server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._stopped = False
 
     @classmethod
     def from_file(cls, path: Path, **kwargs: object) -> Appliance:
@@ -118,6 +119,11 @@ class Appliance:
             await self.stop()
 
     async def stop(self) -> None:
+        """Stop accepting, end running tasks with SHUTTING_DOWN, free models, remove socket and registry.
+        Safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
         log.info("stopping")
         if self.daemon is not None:
             self.daemon.closing = True

@@ -113,21 +113,12 @@ async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyn
         try:
             command = lines.parse_line(raw)
             job = asyncio.ensure_future(execute(daemon, command, cancel))
-            # While the command runs, watch the socket: EOF means the client died (R3).
-            while not job.done():
-                watch = asyncio.ensure_future(reader.read(65536)) if not eof else None
-                waiting = {job} if watch is None else {job, watch}
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if watch is not None and watch.done():
-                    chunk = watch.result()
-                    eof = not chunk
-                    buffer += chunk
-                    if eof and peer_gone(writer):
-                        cancel.set()
-                elif watch is not None:
-                    watch.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await watch
+            try:
+                chunk, eof = await watch(job, reader, writer, cancel, eof)
+            except asyncio.CancelledError:  # the daemon is stopping: say so, then let the connection go
+                writer.write(lines.format_error(ApplianceError("SHUTTING_DOWN", "the appliance is stopping")).encode())
+                raise
+            buffer += chunk
             reply = job.result()
         except ApplianceError as exc:
             reply = lines.format_error(exc)
@@ -139,3 +130,29 @@ async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyn
         writer.write(reply.encode("utf-8"))
         await writer.drain()
 
+
+async def watch(job: asyncio.Future[str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                cancel: threading.Event, eof: bool) -> tuple[bytes, bool]:
+    """Wait for ``job`` while reading ahead (pipelined lines are kept). The client closing its socket, or the
+    server stopping, cancels the job's generation at the next token (R3); returns (read-ahead, eof)."""
+    ahead = bytearray()
+    try:
+        while not job.done():
+            reading = asyncio.ensure_future(reader.read(65536)) if not eof else None
+            await asyncio.wait({job} if reading is None else {job, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if reading is not None and reading.done():
+                chunk = reading.result()
+                ahead += chunk
+                eof = not chunk
+                if eof and peer_gone(writer):
+                    cancel.set()
+            elif reading is not None:
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
+    except asyncio.CancelledError:
+        cancel.set()
+        with contextlib.suppress(BaseException):
+            await job
+        raise
+    return bytes(ahead), eof

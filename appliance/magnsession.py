@@ -180,8 +180,10 @@ class MagnSession:
                 result = await self.daemon.complete(request.model, request.max_tokens, prompt, sampling,
                                                     on_token if request.stream else None, task.cancel)
             if result.generation.stop_reason == "cancelled":
-                raise ApplianceError("CANCELLED", "the task was cancelled",
-                                     {"completion_tokens": result.generation.generated_tokens})
+                done = {"completion_tokens": result.generation.generated_tokens}
+                if self.daemon.closing:
+                    raise ApplianceError("SHUTTING_DOWN", "the appliance is stopping", done)
+                raise ApplianceError("CANCELLED", "the task was cancelled", done)
             flush()
             self.send(completion(request.task_id, result))
         except ApplianceError as exc:

@@ -262,3 +262,26 @@ def test_debug_logging_shows_each_frame_header_and_payload(model_dir: Path, capl
         assert f"MAGN in magic=0x4d474e54 version=1 length={length} {{'type': 'PROTOCOL_INFO'}}" in messages
         assert any(text.startswith("MAGN out magic=0x4d474e54 version=1 length=") and "'schema': 'magn/1'" in text
                    for text in messages)
+
+
+def test_stopping_ends_running_tasks_with_shutting_down(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        app.daemon.engine.token_delay_s = 0.05
+        peer = RawPeer(app.socket)
+        peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "tiny", "prompt": "Hi",
+                   "max_tokens": 400, "stream": True})
+        assert isinstance(peer.read(), m.StreamToken)
+        app.line("REGISTER a tiny")
+        line = socket.socket(socket.AF_UNIX)
+        line.connect(str(app.socket))
+        line.sendall(b"DECODE a 400 Hello\n")
+        time.sleep(0.3)
+        start = time.monotonic()
+        app.call(app.appliance.stop())
+        assert time.monotonic() - start < 5  # not the 20 s the requests would take
+        end = peer.read_until_end("long")[-1]
+        assert isinstance(end, m.ErrorMessage) and end.error.code == "SHUTTING_DOWN"
+        assert line.recv(4096).startswith(b"ERR SHUTTING_DOWN")
+        assert not app.socket.exists()
+        peer.close()
+        line.close()

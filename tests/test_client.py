@@ -1,9 +1,14 @@
-"""The MAGN client (sync and asyncio) against a tiny scripted server on a real Unix socket."""
+"""The MAGN client (sync and asyncio) against a tiny scripted server on a real Unix socket.
+
+The blocking API's tests run twice: on ``MagnClient`` and on ``AsyncMagnClient`` driven through the same API
+(:class:`AsyncDriven`), so the two clients are held to the same behaviour."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import inspect
 import socket
 import threading
 import time
@@ -13,7 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from appliance.client import AsyncMagnClient, Completion, MagnClient
+from appliance.client import AsyncMagnClient, AsyncTokenStream, Completion, MagnClient
 from appliance.errors import ApplianceError
 from appliance.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
 from appliance.messages import (
@@ -43,8 +48,9 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
 
 
 class FakeServer:
-    """Scripted by the prompt: "hang..." streams one token and waits for CANCEL, "defer..." is answered only after
-    the next request, model "nope" gets UNKNOWN_MODEL, anything else echoes its words as tokens.
+    """Scripted by the prompt: "hang..." streams one token and waits for CANCEL, "tick..." sends a HEARTBEAT every
+    50 ms until CANCEL, "fatal..." streams one token then a connection-level ERROR and closes, "defer..." is answered
+    only after the next request, model "nope" gets UNKNOWN_MODEL, anything else echoes its words as tokens.
     ``mode``: "full" (connection-level ERROR, then close), "garbage" (not MAGN), "close" (close on first frame)."""
 
     def __init__(self, path: Path, mode: str = "normal") -> None:
@@ -64,8 +70,11 @@ class FakeServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        lock = threading.Lock()  # "tick" sends from a second thread
+
         def send(message: Message) -> None:
-            conn.sendall(encode_message(message))
+            with lock:
+                conn.sendall(encode_message(message))
 
         with conn:
             if self.mode == "full":
@@ -80,11 +89,12 @@ class FakeServer:
                         return None
                     message = parse_message(event.payload)
                     self.received.append(message)
-                    self._answer(send, message, hanging, deferred)
+                    if self._answer(send, message, hanging, deferred) == "close":
+                        conn.shutdown(socket.SHUT_RDWR)
         return None
 
     def _answer(self, send: Callable[[Message], None], msg: Message, hanging: set[str],
-                deferred: list[InferRequest]) -> None:
+                deferred: list[InferRequest]) -> str | None:
         if isinstance(msg, ProtocolInfoRequest):
             send(INFO)
         elif isinstance(msg, TaskStart):
@@ -101,12 +111,28 @@ class FakeServer:
                 hanging.add(msg.task_id)
                 send(Heartbeat(msg.task_id, time.time()))
                 send(StreamToken(msg.task_id, "first", 1, time.time()))
+            elif prompt.startswith("tick"):
+                hanging.add(msg.task_id)
+                threading.Thread(target=self._tick, args=(send, msg.task_id, hanging), daemon=True).start()
+            elif prompt.startswith("fatal"):
+                send(StreamToken(msg.task_id, "last", 1, time.time()))
+                send(ErrorMessage.of(ApplianceError("SHUTTING_DOWN")))
+                return "close"
             elif prompt.startswith("defer"):
                 deferred.append(msg)
             else:
                 for request in [msg, *deferred]:
                     self._complete(send, request)
                 deferred.clear()
+        return None
+
+    @staticmethod
+    def _tick(send: Callable[[Message], None], task_id: str, hanging: set[str]) -> None:
+        deadline = time.monotonic() + 5
+        with contextlib.suppress(OSError):  # the connection may end first
+            while task_id in hanging and time.monotonic() < deadline:
+                send(Heartbeat(task_id, time.time()))
+                time.sleep(0.05)
 
     @staticmethod
     def _complete(send: Callable[[Message], None], msg: InferRequest) -> None:
@@ -145,35 +171,112 @@ def server(make_server: Callable[..., FakeServer]) -> FakeServer:
     return make_server()
 
 
+class AsyncDriven:
+    """``AsyncMagnClient`` behind ``MagnClient``'s blocking API: each call runs on a private event loop under
+    ``timeout``; a stream's request is flushed at once, as ``MagnClient.stream`` sends it at once."""
+
+    def __init__(self, path: str, *, timeout: float | None = None) -> None:
+        self.timeout, self.runner = timeout, asyncio.Runner()
+        try:
+            self.client = self.call(AsyncMagnClient(path).connect())
+        except BaseException:
+            self.runner.close()
+            raise
+
+    def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        async def bounded() -> _T:
+            async with asyncio.timeout(self.timeout):
+                return await coro
+
+        return self.runner.run(bounded())
+
+    def __getattr__(self, name: str) -> Any:  # heartbeats, and the coroutine methods as blocking ones
+        attr = getattr(self.client, name)
+        return (lambda *args, **kw: self.call(attr(*args, **kw))) if inspect.iscoroutinefunction(attr) else attr
+
+    def __enter__(self) -> AsyncDriven:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(self, **request: Any) -> DrivenStream:
+        tokens = self.client.stream(**request)
+        self.call(self.client._flush())
+        return DrivenStream(self, tokens)
+
+
+class DrivenStream:
+    """An ``AsyncTokenStream`` iterated through :class:`AsyncDriven`."""
+
+    def __init__(self, driven: AsyncDriven, tokens: AsyncTokenStream) -> None:
+        self.driven, self.tokens = driven, tokens
+
+    def __getattr__(self, name: str) -> Any:  # task_id, completion
+        return getattr(self.tokens, name)
+
+    def __iter__(self) -> DrivenStream:
+        return self
+
+    def __next__(self) -> StreamToken:
+        try:
+            return self.driven.call(self.tokens.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self.tokens.close()
+        self.driven.call(self.driven.client._flush())
+
+
+Client = MagnClient | AsyncDriven
+
+
+@pytest.fixture(params=["MagnClient", "AsyncMagnClient"])
+def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., Client]]:
+    """Opens a client of the kind under test: ``connect(path, timeout=...)``."""
+    opened: list[AsyncDriven] = []
+
+    def make(path: str, *, timeout: float | None = None) -> Client:
+        if request.param == "MagnClient":
+            return MagnClient(path, timeout=timeout)
+        opened.append(AsyncDriven(path, timeout=timeout))
+        return opened[-1]
+
+    yield make
+    for driven in opened:
+        driven.runner.close()
+
+
 @pytest.fixture
-def client(server: FakeServer) -> Iterator[MagnClient]:
-    with MagnClient(server.path, timeout=5) as c:
+def client(server: FakeServer, connect: Callable[..., Client]) -> Iterator[Client]:
+    with connect(server.path, timeout=5) as c:
         yield c
 
 
-# --- blocking client ----------------------------------------------------------------------------------------------
+# --- the blocking API, on both clients --------------------------------------------------------------------------------
 
 
-def test_protocol_info(client: MagnClient, server: FakeServer) -> None:
+def test_protocol_info(client: Client, server: FakeServer) -> None:
     assert client.protocol_info() == INFO
     assert server.received == [ProtocolInfoRequest()]
 
 
-def test_infer_returns_a_completion_and_consumes_heartbeats(client: MagnClient) -> None:
+def test_infer_returns_a_completion_and_consumes_heartbeats(client: Client) -> None:
     result = client.infer(model="m", prompt="a b c", max_tokens=8)
     assert result == Completion(result.task_id, "a b c", Usage(3, 3), {"elapsed_ms": 2.0}, "stop",
                                 stats={"plan": "S"}, tokens=())
     assert client.heartbeats == 1
 
 
-def test_infer_with_stream_keeps_the_tokens(client: MagnClient, server: FakeServer) -> None:
+def test_infer_with_stream_keeps_the_tokens(client: Client, server: FakeServer) -> None:
     result = client.infer(model="m", prompt="x y", stream=True, task_id="mine", stop=["\n"])
     assert result.task_id == "mine" and [t.text for t in result.tokens] == ["x", "y"]
     request = server.received[0]
     assert isinstance(request, InferRequest) and request.stream and request.stop == ("\n",)
 
 
-def test_stream_yields_tokens_then_has_the_completion(client: MagnClient) -> None:
+def test_stream_yields_tokens_then_has_the_completion(client: Client) -> None:
     stream = client.stream(session_id="agent", messages=[{"role": "user", "content": "ignored"}])
     assert list(stream) == [] and stream.completion is not None  # the fake server echoes only prompts
     stream = client.stream(model="m", prompt="one two three")
@@ -184,21 +287,21 @@ def test_stream_yields_tokens_then_has_the_completion(client: MagnClient) -> Non
     assert list(stream) == []
 
 
-def test_server_error_is_an_appliance_error_and_the_connection_goes_on(client: MagnClient) -> None:
+def test_server_error_is_an_appliance_error_and_the_connection_goes_on(client: Client) -> None:
     with pytest.raises(ApplianceError) as info:
         client.infer(model="nope", prompt="x")
     assert info.value.code == "UNKNOWN_MODEL" and info.value.details == {"model": "nope"}
     assert client.infer(model="m", prompt="ok").text == "ok"
 
 
-def test_start_task(client: MagnClient) -> None:
+def test_start_task(client: Client) -> None:
     echo = client.start_task("agent-1", "qwen", tools=[{"name": "search"}])
     assert echo.status == "started" and echo.session_id == "agent-1" and echo.tools == [{"name": "search"}]
     with pytest.raises(ApplianceError, match="AGENT_EXISTS"):
         client.start_task("dup", "qwen")
 
 
-def test_cancel_a_running_stream(client: MagnClient, server: FakeServer) -> None:
+def test_cancel_a_running_stream(client: Client, server: FakeServer) -> None:
     stream = client.stream(model="m", prompt="hang on")
     assert next(stream).text == "first"
     client.cancel(stream.task_id)
@@ -209,7 +312,7 @@ def test_cancel_a_running_stream(client: MagnClient, server: FakeServer) -> None
     assert Cancel(stream.task_id) in server.received
 
 
-def test_closing_a_stream_early_cancels_its_task(client: MagnClient, server: FakeServer) -> None:
+def test_closing_a_stream_early_cancels_its_task(client: Client, server: FakeServer) -> None:
     stream = client.stream(model="m", prompt="hang")
     next(stream)
     stream.close()
@@ -217,7 +320,7 @@ def test_closing_a_stream_early_cancels_its_task(client: MagnClient, server: Fak
     assert client.protocol_info() == INFO  # the late ERROR CANCELLED is dropped
 
 
-def test_interleaved_streams_are_routed_by_task_id(client: MagnClient) -> None:
+def test_interleaved_streams_are_routed_by_task_id(client: Client) -> None:
     first = client.stream(model="m", prompt="defer me")
     second = client.stream(model="m", prompt="a b")
     assert [t.text for t in second] == ["a", "b"]
@@ -225,8 +328,8 @@ def test_interleaved_streams_are_routed_by_task_id(client: MagnClient) -> None:
     assert first.completion is not None and first.completion.task_id == first.task_id != second.task_id
 
 
-def test_timeout_cancels_the_task_and_keeps_the_connection(server: FakeServer) -> None:
-    with MagnClient(server.path, timeout=0.3) as client:
+def test_timeout_cancels_the_task_and_keeps_the_connection(server: FakeServer, connect: Callable[..., Client]) -> None:
+    with connect(server.path, timeout=0.3) as client:
         with pytest.raises(TimeoutError):
             client.infer(model="m", prompt="hang")
         task_id = server.received[0].task_id  # type: ignore[union-attr]
@@ -234,7 +337,7 @@ def test_timeout_cancels_the_task_and_keeps_the_connection(server: FakeServer) -
         assert client.protocol_info() == INFO
 
 
-def test_an_invalid_request_is_refused_before_sending(client: MagnClient, server: FakeServer) -> None:
+def test_an_invalid_request_is_refused_before_sending(client: Client, server: FakeServer) -> None:
     with pytest.raises(LocalProtocolError) as info:
         client.infer(model="m", prompt="x", temperature=5)
     assert info.value.error.details["field"] == "temperature"
@@ -247,36 +350,94 @@ def test_an_invalid_request_is_refused_before_sending(client: MagnClient, server
     assert server.received == [InferRequest("same", model="m", prompt="hang", stream=True), ProtocolInfoRequest()]
 
 
-def test_a_connection_level_error_fails_every_call(make_server: Callable[..., FakeServer]) -> None:
-    with MagnClient(make_server("full").path, timeout=5) as client:
+def test_a_connection_level_error_fails_every_call(make_server: Callable[..., FakeServer],
+                                                   connect: Callable[..., Client]) -> None:
+    with connect(make_server("full").path, timeout=5) as client:
         for _ in range(2):
             with pytest.raises(ApplianceError) as info:
                 client.protocol_info()
             assert info.value.code == "TOO_MANY_CONNECTIONS"
 
 
-def test_a_server_that_does_not_speak_magn(make_server: Callable[..., FakeServer]) -> None:
-    with MagnClient(make_server("garbage").path, timeout=5) as client, pytest.raises(RemoteProtocolError) as info:
+def test_a_server_that_does_not_speak_magn(make_server: Callable[..., FakeServer],
+                                           connect: Callable[..., Client]) -> None:
+    with connect(make_server("garbage").path, timeout=5) as client, pytest.raises(RemoteProtocolError) as info:
         client.protocol_info()
     assert info.value.code == "BAD_MAGIC"
 
 
-def test_the_server_closing_the_connection(make_server: Callable[..., FakeServer]) -> None:
-    with MagnClient(make_server("close").path, timeout=5) as client:
+def test_the_server_closing_the_connection(make_server: Callable[..., FakeServer],
+                                           connect: Callable[..., Client]) -> None:
+    with connect(make_server("close").path, timeout=5) as client:
         with pytest.raises(ConnectionError):
             client.infer(model="m", prompt="x")
         with pytest.raises(ConnectionError):
             client.protocol_info()
 
 
-def test_connecting_to_nothing_and_closing_twice(tmp_path: Path, server: FakeServer) -> None:
+def test_connecting_to_nothing_and_closing_twice(tmp_path: Path, server: FakeServer,
+                                                 connect: Callable[..., Client]) -> None:
     with pytest.raises(OSError):
-        MagnClient(str(tmp_path / "absent.sock"))
-    client = MagnClient(server.path)
+        connect(str(tmp_path / "absent.sock"))
+    client = connect(server.path)
     client.close()
     client.close()
     with pytest.raises(ConnectionError, match="closed"):
         client.protocol_info()
+
+
+def test_a_stream_left_open_keeps_its_messages_while_other_calls_run(client: Client) -> None:
+    stream = client.stream(model="m", prompt="defer x y")
+    assert client.infer(model="m", prompt="a").text == "a"  # the server answers the deferred stream right after
+    assert client.protocol_info() == INFO
+    assert client.start_task("s", "m").status == "started"
+    assert [t.text for t in stream] == ["defer", "x", "y"]
+    assert stream.completion is not None and stream.completion.text == "defer x y" and client.heartbeats == 2
+
+
+def test_a_long_stream_arrives_whole_and_in_order(client: Client) -> None:
+    words = [f"w{i}" for i in range(3000)]  # far more than one read: frames are split across reads
+    result = client.infer(model="m", prompt=" ".join(words), stream=True)
+    assert [t.text for t in result.tokens] == words and [t.token_id for t in result.tokens] == list(range(3000))
+
+
+def test_the_timeout_bounds_the_whole_call_not_each_message(server: FakeServer,
+                                                            connect: Callable[..., Client]) -> None:
+    with connect(server.path, timeout=0.3) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.infer(model="m", prompt="tick")  # a HEARTBEAT every 50 ms, never a result
+        assert time.monotonic() - start < 2 and client.heartbeats >= 3
+        task_id = server.received[0].task_id  # type: ignore[union-attr]
+        assert server.wait_for(lambda got: Cancel(task_id) in got)
+        assert client.protocol_info() == INFO
+
+
+def test_a_stream_step_that_times_out_cancels_the_task(server: FakeServer, connect: Callable[..., Client]) -> None:
+    with connect(server.path, timeout=0.3) as client:
+        stream = client.stream(model="m", prompt="hang")
+        assert next(stream).text == "first"
+        with pytest.raises(TimeoutError):
+            next(stream)
+        assert server.wait_for(lambda got: Cancel(stream.task_id) in got)
+        assert list(stream) == [] and stream.completion is None
+        assert client.protocol_info() == INFO
+
+
+def test_a_connection_level_error_after_a_token(client: Client) -> None:
+    stream = client.stream(model="m", prompt="fatal")
+    assert next(stream).text == "last"  # received before the error: still delivered
+    for call in (lambda: next(stream), client.protocol_info, lambda: client.infer(model="m", prompt="x")):
+        with pytest.raises(ApplianceError, match="SHUTTING_DOWN"):
+            call()
+
+
+def test_what_the_server_said_before_it_closed_beats_the_failed_send(make_server: Callable[..., FakeServer],
+                                                                     connect: Callable[..., Client]) -> None:
+    with connect(make_server("full").path, timeout=5) as client:
+        time.sleep(0.2)  # the server has sent its ERROR and closed: the next send fails (EPIPE)
+        with pytest.raises(ApplianceError, match="TOO_MANY_CONNECTIONS"):
+            client.infer(model="m", prompt="x")
 
 
 # --- asyncio client -----------------------------------------------------------------------------------------------

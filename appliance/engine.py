@@ -13,7 +13,6 @@ import codecs
 import concurrent.futures
 import ctypes
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,10 +77,6 @@ class Conversation:
     buffer: bytearray | None = None
     nbytes: int = 0
 
-    @property
-    def host_bytes(self) -> int:
-        return len(self.buffer) if self.buffer is not None else 0
-
 
 @dataclass(frozen=True)
 class SwapReport:
@@ -108,10 +103,6 @@ class Runtime:
     def close(self) -> None:
         self.live = None
         self.llm.close()
-
-    @property
-    def weight_bytes(self) -> int:
-        return int(llama_cpp.llama_model_size(self.llm.model))
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (cached; llama-cpp-python's own helper returns a padded buffer)."""
@@ -262,7 +253,6 @@ class Engine:
         self.n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.token_delay_s = 0.0  # a test hook: stall before each token (heartbeat tests)
-        self._lock = threading.Lock()
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -22,9 +22,7 @@ Run ``python -m benchmarks.admission`` (``--quick`` runs the same computation: i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,11 +32,9 @@ from appliance.devices import FakeDevice, parse_size
 from appliance.errors import ApplianceError
 from appliance.gguf_meta import Estimate, ModelShape, estimate, kv_bytes, read_model_shape
 from appliance.ledger import Ledger, compute_cap
-from appliance.tinymodel import write_tiny_model
+from benchmarks.common import add_output_args, finish, tiny_model
 
 NAME = "admission"
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "appliance-bench-models"
 GIB = 2**30
 MIB = 2**20
 RUNTIME_KEY = "(runtime overhead)"
@@ -71,12 +67,8 @@ MODELS: tuple[ModelDecl, ...] = (
 
 
 def model_file(model_dir: Path, decl: ModelDecl) -> Path:
-    path = model_dir / (f"adm-{decl.name}-{decl.layers}x{decl.dim}-h{decl.heads}kv{decl.kv_heads}"
-                        f"-ctx{decl.n_ctx_train}.gguf")
-    if not path.is_file():
-        write_tiny_model(path, layers=decl.layers, dim=decl.dim, heads=decl.heads, kv_heads=decl.kv_heads,
-                         ff=64, n_ctx_train=decl.n_ctx_train, seed=7)
-    return path
+    return tiny_model(model_dir, layers=decl.layers, dim=decl.dim, heads=decl.heads, kv_heads=decl.kv_heads, ff=64,
+                      n_ctx_train=decl.n_ctx_train, seed=7, label=f"adm-{decl.name}")
 
 
 def gib(n: int) -> float:
@@ -227,8 +219,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-ctx", type=int, default=8192, help="the appliance's configured context per model")
     p.add_argument("--agents-per-model", type=int, default=4)
     p.add_argument("--process-overhead", default="300MiB", help="declared runtime overhead per process")
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="cache of generated models")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{NAME}.json", help="where to write the JSON")
+    add_output_args(p, NAME)
     args = p.parse_args(argv)
     if args.agents_per_model < 1 or args.n_ctx < 1:
         p.error("--agents-per-model and --n-ctx must be positive")
@@ -239,13 +230,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
-    print(f"results: {args.out}")
-    print(result["headline"])
-    return 0
+    return finish(run(args), args.out, print_table)
 
 
 if __name__ == "__main__":

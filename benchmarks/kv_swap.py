@@ -23,12 +23,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,23 +35,13 @@ import numpy as np
 
 from appliance.engine import GREEDY, Conversation, Runtime, Token
 from appliance.gguf_meta import read_model_shape
-from appliance.tinymodel import write_tiny_model
+from benchmarks.common import add_output_args, default_threads, fill_defaults, finish, machine, tiny_model
 
 NAME = "kv_swap"
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "appliance-bench-models"
 TARGET_PCT = 50.0
 LOGIT_TOLERANCE = 1e-4
 CHECK_TOKENS = 8
 GB = 1e9
-
-
-def model_path(model_dir: Path, layers: int, dim: int, dtype: str, seed: int = 0) -> Path:
-    """The cached tiny model of this shape, written (atomically) on first use."""
-    path = model_dir / f"tiny-{layers}x{dim}-{dtype}-s{seed}.gguf"
-    if not path.is_file():
-        write_tiny_model(path, layers=layers, dim=dim, seed=seed, dtype=dtype, n_ctx_train=8192)
-    return path
 
 
 def median_ms(samples: Sequence[float]) -> float:
@@ -94,7 +80,7 @@ def continue_greedy(rt: Runtime, conv: Conversation, n: int) -> tuple[list[int],
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model = model_path(args.model_dir, args.layers, args.dim, "f16")
+    model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim, dtype="f16", n_ctx_train=8192)
     shape = read_model_shape(model)
     rt = Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads)
     try:
@@ -211,8 +197,7 @@ def measure(rt: Runtime, args: argparse.Namespace, model: Path, weight_bytes: in
                         "max_abs_logit_diff": logit_diff, "restore_correct": correct},
         "target_pct_of_memcpy": TARGET_PCT,
         "meets_target": ours_pct >= TARGET_PCT,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "llama_cpp_python": llama_cpp.__version__},
+        "machine": machine(),
         "units": "ms are medians over the rounds; GB = 1e9 bytes",
         "headline": headline,
     }
@@ -245,15 +230,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="context tokens to swap (default 2000; quick 200)")
     p.add_argument("--n-ctx", type=int, default=None, help="context size (default 2048; quick 256)")
     p.add_argument("--repeats", type=int, default=None, help="timing rounds (default 15; quick 5)")
-    p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="cache of generated models")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{NAME}.json", help="where to write the JSON")
+    p.add_argument("--threads", type=int, default=default_threads())
+    add_output_args(p, NAME)
     args = p.parse_args(argv)
-    full = {"layers": 12, "dim": 768, "tokens": 2000, "n_ctx": 2048, "repeats": 15}
-    quick = {"layers": 2, "dim": 128, "tokens": 200, "n_ctx": 256, "repeats": 5}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, full={"layers": 12, "dim": 768, "tokens": 2000, "n_ctx": 2048, "repeats": 15},
+                  quick={"layers": 2, "dim": 128, "tokens": 200, "n_ctx": 256, "repeats": 5})
     if args.repeats < 1 or args.tokens < 2:
         p.error("--repeats must be >= 1 and --tokens >= 2")
     return args
@@ -262,12 +243,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
-    print(f"results: {args.out}")
-    print(result["headline"])
-    return 0 if result["correctness"]["restore_correct"] else 1
+    return finish(result, args.out, print_table, ok=result["correctness"]["restore_correct"])
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""benchmarks/protocol.py (SPEC B4) in its --quick mode, without the HTTP server: every path is measured and the
+"""benchmarks/protocol/ (SPEC B4) in its --quick mode, without the HTTP server: every path is measured and the
 appliance over MAGN returns exactly the greedy text of llama-cpp-python called in-process."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import protocol
+from benchmarks.protocol import clients
 
 IN_PROCESS = ("library", "library_prefix", "engine", "daemon")
 MAGN = ("magn_raw", "magn_async", "magn")
@@ -60,6 +63,11 @@ def test_protocol_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     magn_overhead = r["paths"]["magn"]["one_token"]["overhead_ms"]
     assert s["engine_ms"] + s["daemon_core_ms"] + s["transport_ms"] + s["client_blocking_ms"] == pytest.approx(
         magn_overhead)
+    async_overhead = r["paths"]["magn_async"]["one_token"]["overhead_ms"]
+    assert s["engine_ms"] + s["daemon_core_ms"] + s["transport_ms"] + s["client_async_ms"] == pytest.approx(
+        async_overhead)
+    assert set(s) == {"engine_ms", "daemon_core_ms", "transport_ms", "client_async_ms", "client_blocking_ms",
+                      "explained"}
 
     # HTTP was skipped, and the output says so (never silently).
     skipped = "skipped: --no-http was given"
@@ -76,12 +84,12 @@ def test_protocol_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_protocol_text_check_catches_a_different_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The correctness check can fail: MAGN asked for another prompt answers other text, and the run says so."""
-    original = protocol.magn_request
+    original = clients.magn_request
 
     def other_prompt(prompt: str, max_tokens: int) -> dict[str, Any]:
         return original(prompt[::-1], max_tokens)
 
-    monkeypatch.setattr(protocol, "magn_request", other_prompt)
+    monkeypatch.setattr(clients, "magn_request", other_prompt)
     rc, r, printed = run_quick(tmp_path, capsys, "--requests", "2", "--streams", "1", "--warmup", "1",
                                "--stream-tokens", "8")
     assert rc == 1
@@ -92,3 +100,12 @@ def test_protocol_text_check_catches_a_different_answer(tmp_path: Path, capsys: 
     for name in ("library_prefix", "engine", "daemon"):
         assert r["paths"][name]["text_matches_library"] is True, name
     assert headline_of(printed).endswith("texts DIFFER")
+
+
+def test_protocol_runs_as_a_module() -> None:
+    """``python -m benchmarks.protocol`` is the package's entry point."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.protocol", "--help"], cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks.protocol")
+    assert "--no-http" in done.stdout and "--model-dir" in done.stdout

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from appliance.engine import Conversation, Runtime
-from benchmarks import admission, kv_swap
+from benchmarks import admission, common, kv_swap
 
 
 def run_main(main: Any, argv: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any],
@@ -24,6 +24,20 @@ def headline_of(printed: str) -> str:
     lines = [line for line in printed.splitlines() if line.startswith("HEADLINE:")]
     assert len(lines) == 1, printed
     return lines[0]
+
+
+# -- common -------------------------------------------------------------------------------------------------
+
+def test_tiny_model_is_cached_under_a_name_that_holds_every_parameter(tmp_path: Path) -> None:
+    a = common.tiny_model(tmp_path, layers=1, dim=64)
+    assert a.name == "tiny-1x64-f16-ctx2048-s0.gguf" and a.is_file()
+    mtime = a.stat().st_mtime_ns
+    assert common.tiny_model(tmp_path, layers=1, dim=64) == a and a.stat().st_mtime_ns == mtime  # not rewritten
+    b = common.tiny_model(tmp_path, layers=1, dim=64, n_ctx_train=8192)  # same shape, other n_ctx_train
+    c = common.tiny_model(tmp_path, layers=1, dim=64, heads=1, kv_heads=1, ff=32, seed=3, label="x")
+    assert b.name == "tiny-1x64-f16-ctx8192-s0.gguf"
+    assert c.name == "x-1x64-h1kv1-ff32-f16-ctx2048-s3.gguf"
+    assert len({a, b, c}) == 3 and b.is_file() and c.is_file()
 
 
 # -- admission ----------------------------------------------------------------------------------------------

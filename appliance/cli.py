@@ -196,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "run the appliance in the foreground")
     run.add_argument("--config", help=f"config file (default ./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
 
-    config = sub.add_parser("config", help="check or document appliance.yaml")
+    from appliance.settings import render_help
+
+    config = sub.add_parser("config", help="check or document appliance.yaml", epilog="settings:\n" + render_help(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = command("check", cmd_config_check, "validate a config file and print every problem", config_sub)
     check.add_argument("file", nargs="?")

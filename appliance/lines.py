@@ -138,8 +138,3 @@ def format_records(kind: str, records: Iterable[Mapping[str, Any]]) -> list[str]
 
 def help_text() -> str:
     return format_reply("HELP", body=list(COMMANDS.values()))
-
-
-def is_reply_end(line: str) -> bool:
-    """True for the last line of a reply (client side)."""
-    return line.startswith("ERR ") or line.rstrip("\r\n") == "END_RESPONSE"

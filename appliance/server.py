@@ -20,6 +20,7 @@ from appliance import lines
 from appliance.daemon import Daemon
 from appliance.errors import ApplianceError
 from appliance.frames import MAGIC_BYTES as MAGIC
+from appliance.frames import looks_like_magn
 from appliance.linesession import serve_lines
 from appliance.magnsession import error_frame, serve_magn
 
@@ -86,7 +87,7 @@ class SocketServer:
 
     async def _sniff(self, reader: asyncio.StreamReader) -> bytes:
         data = b""
-        while len(data) < len(MAGIC) and MAGIC.startswith(data):
+        while len(data) < len(MAGIC) and looks_like_magn(data):
             chunk = await reader.read(65536)
             if not chunk:
                 break

@@ -118,3 +118,11 @@ def test_make_tiny_writes_a_model_llama_cpp_loads(tmp_path: Path) -> None:
 
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, verbose=False)
     assert llm.tokenize(b"Hello")[0] == llm.token_bos()
+
+
+def test_config_help_lists_every_setting_from_the_schema() -> None:
+    from appliance.settings import SETTINGS
+
+    text = appliance("config", "--help", check=True).stdout
+    for setting in SETTINGS:
+        assert setting.key in text, setting.key

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a virtualenv in .venv with the appliance and its test tools.
-# llama-cpp-python compiles from source (CPU build, ~8-20 minutes on 2 cores); pip caches the wheel in
+# llama-cpp-python compiles from source (CPU build; about 3 minutes measured on a 2-core box); pip caches the wheel in
 # ~/.cache/pip, so only the first set-up on a machine pays for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -283,7 +283,7 @@ class Daemon:
             return DecodeResult(agent_id, model.key, generation, evicted, swap.restored)
 
         model.inflight += 1
-        job = asyncio.ensure_future(self.engine.call(work))
+        job = self.engine.submit(work)
         try:
             result = await asyncio.shield(job)
         except asyncio.CancelledError:

@@ -254,9 +254,12 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.token_delay_s = 0.0  # a test hook: stall before each token (heartbeat tests)
 
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Queue ``fn`` on the engine thread; the future is the loop's, no task wraps it."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        return await self.submit(lambda: fn(*args, **kwargs))
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> Runtime:
         """Load on the calling thread (use through :meth:`call`)."""

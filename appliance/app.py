@@ -38,7 +38,6 @@ class Appliance:
     def __init__(self, config: Config, *, device: MemoryDevice | None = None, http: bool = True) -> None:
         self.config = config
         self.version = __version__
-        self.config_error: str | None = None
         self._device = device
         self._http_enabled = http
         self.daemon: Daemon | None = None

@@ -20,15 +20,19 @@ def config_path(args: argparse.Namespace) -> Path:
     return Path(getattr(args, "config", None) or os.environ.get("APPLIANCE_CONFIG") or DEFAULT_CONFIG)
 
 
-def socket_path(args: argparse.Namespace) -> Path:
-    """--socket, else the registry file of the config's state dir, else the config's socket path."""
-    if getattr(args, "socket", None):
-        return Path(args.socket)
+def find_daemon(args: argparse.Namespace) -> tuple[Path, str]:
+    """The daemon's socket and HTTP endpoint: the registry file of the config's state dir, else the config."""
     from appliance.config import load_config
 
     config = load_config(config_path(args), check_files=False)
-    doc = registry.read(config.data_dir)
-    return Path(doc["socket"]) if doc and doc.get("socket") else config.socket.path
+    doc = registry.read(config.data_dir) or {}
+    http = doc.get("http") or f"http://{config.http.host}:{config.http.port}"
+    return Path(getattr(args, "socket", None) or doc.get("socket") or config.socket.path), str(http)
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    """--socket (no config needed), else as :func:`find_daemon` says."""
+    return Path(args.socket) if getattr(args, "socket", None) else find_daemon(args)[0]
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -86,17 +90,6 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def http_url(args: argparse.Namespace) -> str:
-    """The daemon's HTTP endpoint: the registry file's, else the config's host/port."""
-    from appliance.config import load_config
-
-    config = load_config(config_path(args), check_files=False)
-    doc = registry.read(config.data_dir)
-    if doc and doc.get("http"):
-        return str(doc["http"])
-    return f"http://{config.http.host}:{config.http.port}"
-
-
 def cmd_infer(args: argparse.Namespace) -> int:
     from appliance.client import MagnClient
 
@@ -127,7 +120,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     from appliance.client import MagnClient
 
     problems: list[str] = []
-    url = http_url(args) + "/v1/health"
+    path, base = find_daemon(args)
+    url = base + "/v1/health"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as response:
             doc = json.load(response)
@@ -137,7 +131,6 @@ def cmd_health(args: argparse.Namespace) -> int:
             problems.append(f"model {args.model!r} not served")
     except OSError as exc:
         problems.append(f"http {url}: {getattr(exc, 'reason', exc)}")
-    path = socket_path(args)
     try:
         with MagnClient(str(path), timeout=args.timeout) as client:
             info = client.protocol_info()

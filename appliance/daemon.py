@@ -28,8 +28,6 @@ from appliance.ledger import Ledger, compute_cap, external_used
 
 @dataclass(eq=False)
 class Model:
-    key: str
-    path: Path
     spec: ModelConfig
     estimate: int | None = None
     measured: int | None = None
@@ -37,9 +35,16 @@ class Model:
     refcount: int = 0
     inflight: int = 0
     last_used: float = 0.0
-    decodes: int = 0
     baseline: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def key(self) -> str:
+        return self.spec.name
+
+    @property
+    def path(self) -> Path:
+        return self.spec.path
 
     def view(self) -> policy.ModelView:
         return policy.ModelView(self.key, self.runtime is not None, self.refcount, self.inflight,
@@ -128,8 +133,15 @@ class Daemon:
                                  {"model": ref, "known": [m.name for m in self.config.models]})
         model = self.models.get(spec.name)
         if model is None or model.spec != spec and model.runtime is None:
-            model = self.models[spec.name] = Model(spec.name, spec.path, spec)
+            model = self.models[spec.name] = Model(spec)
         return model
+
+    def model_state(self, name: str) -> str:
+        """``loaded``, ``loading`` (its load holds the lock) or ``available``, read from memory."""
+        model = self.models.get(name)
+        if model is not None and model.runtime is not None:
+            return "loaded"
+        return "loading" if model is not None and model.lock.locked() else "available"
 
     def estimate(self, model: Model) -> int:
         if model.spec.vram_bytes is not None:
@@ -294,7 +306,6 @@ class Daemon:
         finally:
             model.inflight -= 1
             model.last_used = self.clock()
-        model.decodes += 1
         self.counters["decodes"] += 1
         self.counters["tokens"] += result.generation.generated_tokens
         self.counters["kv_swaps"] += result.evicted is not None

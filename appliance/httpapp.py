@@ -22,18 +22,12 @@ if TYPE_CHECKING:
 def health_document(appliance: Appliance) -> dict:
     """``/v1/health`` from memory: never waits on a model or the engine thread."""
     daemon = appliance.daemon
-    models = []
-    loading = False
-    for spec in appliance.config.models:
-        model = daemon.models.get(spec.name) if daemon else None
-        is_loading = bool(model and model.runtime is None and model.lock.locked())
-        loading |= is_loading
-        state = "loaded" if model and model.runtime is not None else "loading" if is_loading else "available"
-        models.append({"name": spec.name, "state": state, "context_length": spec.n_ctx})
+    models = [{"name": spec.name, "state": daemon.model_state(spec.name) if daemon else "available",
+               "context_length": spec.n_ctx} for spec in appliance.config.models]
     status = "ok"
-    if appliance.config_error is not None or daemon is None:
+    if daemon is None:
         status = "degraded"
-    elif loading:
+    elif any(m["state"] == "loading" for m in models):
         status = "loading"
     snapshot = daemon.snapshot() if daemon else {}
     return {"status": status, "models": models,

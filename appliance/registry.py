@@ -26,11 +26,8 @@ def path(state_dir: Path) -> Path:
 
 def document(config: Config, daemon: Daemon, http_url: str | None) -> dict[str, Any]:
     socket_path = str(config.socket.path)
-    models = {}
-    for spec in config.models:
-        model = daemon.models.get(spec.name)
-        state = "loaded" if model is not None and model.runtime is not None else "available"
-        models[spec.name] = {"socket": socket_path, "http": http_url, "state": state, "path": str(spec.path)}
+    models = {spec.name: {"socket": socket_path, "http": http_url, "state": daemon.model_state(spec.name),
+                          "path": str(spec.path)} for spec in config.models}
     return {"schema": "appliance-registry/1", "pid": os.getpid(), "updated": time.time(),
             "socket": socket_path, "http": http_url, "models": models}
 

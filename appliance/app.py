@@ -8,19 +8,20 @@ import logging
 import signal
 from pathlib import Path
 
-from appliance import __version__, registry
-from appliance.config import Config, load_config
-from appliance.daemon import Daemon
-from appliance.devices import MemoryDevice, open_device
-from appliance.httpapp import HttpServer, create_app
-from appliance.server import SocketServer
+from appliance import __version__
+from appliance.daemon import registry
+from appliance.config.validate import Config, load_config
+from appliance.daemon.core import Daemon
+from appliance.daemon.devices import MemoryDevice, open_device
+from appliance.http.app import HttpServer, create_app
+from appliance.server.listener import SocketServer
 
 log = logging.getLogger(__name__)
 
 
 def ensure_demo_models(config: Config) -> list[Path]:
     """Write the tiny random models that the config asks for and that are missing (offline first run)."""
-    from appliance.tinymodel import write_tiny_model
+    from appliance.engine.tinymodel import write_tiny_model
 
     made = []
     for model in config.models:

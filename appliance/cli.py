@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance import lineclient, registry
+from appliance.client import lines as lineclient
+from appliance.daemon import registry
 from appliance.errors import ApplianceError
 
 DEFAULT_CONFIG = "appliance.yaml"
@@ -22,7 +23,7 @@ def config_path(args: argparse.Namespace) -> Path:
 
 def find_daemon(args: argparse.Namespace) -> tuple[Path, str]:
     """The daemon's socket and HTTP endpoint: the registry file of the config's state dir, else the config."""
-    from appliance.config import load_config
+    from appliance.config.validate import load_config
 
     config = load_config(config_path(args), check_files=False)
     doc = registry.read(config.data_dir) or {}
@@ -38,7 +39,7 @@ def socket_path(args: argparse.Namespace) -> Path:
 # -- commands ------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from appliance.app import Appliance
-    from appliance.config import ConfigInvalid
+    from appliance.config.validate import ConfigInvalid
 
     try:
         appliance = Appliance.from_file(config_path(args))
@@ -53,7 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from appliance.config import ConfigInvalid, load_config
+    from appliance.config.validate import ConfigInvalid, load_config
 
     path = Path(args.file) if args.file else config_path(args)
     try:
@@ -69,14 +70,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_docs(args: argparse.Namespace) -> int:
-    from appliance.settings import render_docs
+    from appliance.config.schema import render_docs
 
     print(render_docs())
     return 0
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from appliance.tinymodel import write_tiny_model
+    from appliance.engine.tinymodel import write_tiny_model
 
     def progress(done: int, total: int) -> None:
         width = 30
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "run the appliance in the foreground")
     run.add_argument("--config", help=f"config file (default ./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
 
-    from appliance.settings import render_help
+    from appliance.config.schema import render_help
 
     config = sub.add_parser("config", help="check or document appliance.yaml", epilog="settings:\n" + render_help(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,8 +2,8 @@
 
 Three real (tiny, random-weight) GGUF files are written whose KV geometry (layers, KV heads, head size) and
 training context (``n_ctx_train``) are those of typical 0.5B / 1.5B / 7B-class GQA chat models. Their shapes
-are read back from the files with :func:`appliance.gguf_meta.read_model_shape` and every KV figure comes from
-the real estimator (:func:`appliance.gguf_meta.estimate`). A tiny file's own weights are a few MiB, so each
+are read back from the files with :func:`appliance.engine.gguf_meta.read_model_shape` and every KV figure comes from
+the real estimator (:func:`appliance.engine.gguf_meta.estimate`). A tiny file's own weights are a few MiB, so each
 model's weight bytes are *declared* instead (an operator-given figure, as SPEC L2 allows: roughly a Q4_K_M
 file of that size class). The output labels every figure as measured (from the files) or declared.
 
@@ -12,8 +12,8 @@ file of that size class). The output labels every figure as measured (from the f
   slack). Processes are placed first-fit, round-robin over the models (smallest process first), on the whole
   device (no admission headroom). Reported for one process per model and for one process per agent.
 * Appliance: one process (charged the same runtime overhead once, through the ledger), cap = admission_percent
-  of the device (:func:`appliance.ledger.compute_cap`), each model reserved once through the real
-  :meth:`appliance.ledger.Ledger.try_reserve` at its configured ``n_ctx``; all agents of an admitted model share
+  of the device (:func:`appliance.daemon.ledger.compute_cap`), each model reserved once through the real
+  :meth:`appliance.daemon.ledger.Ledger.try_reserve` at its configured ``n_ctx``; all agents of an admitted model share
   the loaded weights and its context, suspended agents' KV parked in host RAM (SPEC L4, L5).
 
 Run ``python -m benchmarks.admission`` (``--quick`` runs the same computation: it is fast already).
@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from appliance.devices import FakeDevice, parse_size
+from appliance.daemon.devices import FakeDevice, parse_size
 from appliance.errors import ApplianceError
-from appliance.gguf_meta import Estimate, ModelShape, estimate, kv_bytes, read_model_shape
-from appliance.ledger import Ledger, compute_cap
+from appliance.engine.gguf_meta import Estimate, ModelShape, estimate, kv_bytes, read_model_shape
+from appliance.daemon.ledger import Ledger, compute_cap
 from benchmarks.common import add_output_args, finish, tiny_model
 
 NAME = "admission"
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "device_total_bytes": total,
         },
         "measured_from_files": "layers, KV heads, head sizes, n_ctx_train (hence every KV byte figure, through "
-                               "appliance.gguf_meta.estimate), file and tensor bytes",
+                               "appliance.engine.gguf_meta.estimate), file and tensor bytes",
         "models": models,
         "naive": {
             "capacity_bytes": total,

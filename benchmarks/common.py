@@ -14,7 +14,7 @@ from typing import Any
 
 import llama_cpp
 
-from appliance.tinymodel import write_tiny_model
+from appliance.engine.tinymodel import write_tiny_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "appliance-bench-models"
@@ -23,7 +23,7 @@ DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "appliance-bench-models"
 def tiny_model(model_dir: Path, *, layers: int, dim: int, heads: int | None = None, kv_heads: int | None = None,
                ff: int | None = None, n_ctx_train: int = 2048, dtype: str = "f16", seed: int = 0,
                label: str = "tiny") -> Path:
-    """The cached tiny model with these :func:`~appliance.tinymodel.write_tiny_model` parameters, written
+    """The cached tiny model with these :func:`~appliance.engine.tinymodel.write_tiny_model` parameters, written
     (atomically) on first use. Every parameter is in the file name, so two shapes never share a cached file."""
     parts = [label, f"{layers}x{dim}"]
     if heads is not None or kv_heads is not None:

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 4-layer, 256-wide random-weight llama GGUF, made once per test session."""
-    from appliance.tinymodel import write_tiny_model
+    from appliance.engine.tinymodel import write_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     write_tiny_model(path, layers=4, dim=256, seed=1)
@@ -18,7 +18,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second, different tiny model (other seed, other width)."""
-    from appliance.tinymodel import write_tiny_model
+    from appliance.engine.tinymodel import write_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny_b.gguf"
     write_tiny_model(path, layers=2, dim=128, seed=2)

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from appliance import lineclient
+from appliance.client import lines as lineclient
 from appliance.app import Appliance
-from appliance.config import parse_config
+from appliance.config.validate import parse_config
 
 
 def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: list[Path],

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from appliance.engine import Conversation, Runtime
+from appliance.engine.runtime import Conversation, Runtime
 from benchmarks import admission, common, kv_swap
 
 

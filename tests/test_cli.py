@@ -121,7 +121,7 @@ def test_make_tiny_writes_a_model_llama_cpp_loads(tmp_path: Path) -> None:
 
 
 def test_config_help_lists_every_setting_from_the_schema() -> None:
-    from appliance.settings import SETTINGS
+    from appliance.config.schema import SETTINGS
 
     text = appliance("config", "--help", check=True).stdout
     for setting in SETTINGS:

@@ -20,8 +20,8 @@ import pytest
 
 from appliance.client import AsyncMagnClient, AsyncTokenStream, Completion, MagnClient
 from appliance.errors import ApplianceError
-from appliance.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
-from appliance.messages import (
+from appliance.protocol.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
+from appliance.protocol.messages import (
     SCHEMA,
     Cancel,
     ErrorMessage,

@@ -11,8 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance import settings as schema
-from appliance.config import (
+from appliance.config import schema
+from appliance.config.validate import (
     CLASSES,
     Config,
     ConfigInvalid,
@@ -476,7 +476,7 @@ def test_render_docs_mentions_every_setting_and_section():
 
 def test_shipped_docs_are_render_docs_output():
     assert (REPO / "docs" / "configuration.md").read_text() == render_docs(), (
-        "regenerate: python -m appliance.settings > docs/configuration.md")
+        "regenerate: python -m appliance.config.schema > docs/configuration.md")
 
 
 def test_render_help_lists_every_key():

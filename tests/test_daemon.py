@@ -14,8 +14,8 @@ import httpx
 import pytest
 from harness import running
 
-from appliance import lineclient
-from appliance.engine import Sampling
+from appliance.client import lines as lineclient
+from appliance.engine.runtime import Sampling
 
 GiB = 1024**3
 

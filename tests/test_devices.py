@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-import appliance.devices as devices
-from appliance.devices import (
+from appliance.daemon import devices
+from appliance.daemon.devices import (
     DeviceReading,
     DeviceSpec,
     FakeDevice,
@@ -20,7 +20,7 @@ from appliance.devices import (
     parse_device_spec,
 )
 from appliance.errors import ApplianceError
-from appliance.ledger import MAX_BYTES
+from appliance.daemon.ledger import MAX_BYTES
 
 GIB = 2**30
 GPU = gpu_visible()

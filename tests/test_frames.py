@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.frames import (
+from appliance.protocol.frames import (
     CLOSED,
     HEADER,
     MAGIC,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.gguf_meta import (
+from appliance.engine.gguf_meta import (
     CACHE_TYPE_BYTES,
     Estimate,
     ModelShape,
@@ -17,7 +17,7 @@ from appliance.gguf_meta import (
     kv_cells,
     read_model_shape,
 )
-from appliance.tinymodel import build_vocabulary, write_tiny_model
+from appliance.engine.tinymodel import build_vocabulary, write_tiny_model
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

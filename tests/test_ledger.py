@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from appliance.errors import ApplianceError
-from appliance.ledger import MAX_BYTES, Ledger, LedgerSnapshot, Reservation, compute_cap, external_used
+from appliance.daemon.ledger import MAX_BYTES, Ledger, LedgerSnapshot, Reservation, compute_cap, external_used
 
 GIB = 2**30
 

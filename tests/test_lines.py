@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import lines
+from appliance.protocol import lines
 from appliance.errors import ApplianceError
 
 GOOD = [

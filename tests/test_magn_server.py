@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from harness import running
 
-from appliance import messages as m
+from appliance.protocol import messages as m
 from appliance.client import MagnClient
 from appliance.errors import ApplianceError
-from appliance.frames import HEADER, MAGIC, NEED_DATA, FrameParser, encode_frame
+from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, FrameParser, encode_frame
 
 
 @pytest.fixture
@@ -252,13 +252,13 @@ def test_client_library_raises_p4_errors(model_dir: Path) -> None:
 
 def test_debug_logging_shows_each_frame_header_and_payload(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
-        caplog.set_level("DEBUG", logger="appliance.magnsession")
+        caplog.set_level("DEBUG", logger="appliance.server.magn")
         peer = RawPeer(app.socket)
         peer.send({"type": "PROTOCOL_INFO"})
         assert isinstance(peer.read(), m.ProtocolInfo)
         peer.close()
         length = len(encode_frame({"type": "PROTOCOL_INFO"})) - HEADER.size
-        messages = [r.getMessage() for r in caplog.records if r.name == "appliance.magnsession"]
+        messages = [r.getMessage() for r in caplog.records if r.name == "appliance.server.magn"]
         assert f"MAGN in magic=0x4d474e54 version=1 length={length} {{'type': 'PROTOCOL_INFO'}}" in messages
         assert any(text.startswith("MAGN out magic=0x4d474e54 version=1 length=") and "'schema': 'magn/1'" in text
                    for text in messages)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.errors import TABLE, ApplianceError
-from appliance.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
-from appliance.messages import (
+from appliance.protocol.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
+from appliance.protocol.messages import (
     MAX_ID_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,

@@ -6,7 +6,7 @@ import llama_cpp
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.tinymodel import BOS_ID, SPACE, build_vocabulary, default_ff, write_tiny_model
+from appliance.engine.tinymodel import BOS_ID, SPACE, build_vocabulary, default_ff, write_tiny_model
 
 MB = 1_000_000
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance import messages as m
+from appliance.protocol import messages as m
 from appliance.client import AsyncMagnClient, MagnClient
-from appliance.frames import CLOSED, NEED_DATA, FrameParser
+from appliance.protocol.frames import CLOSED, NEED_DATA, FrameParser
 from benchmarks.protocol.workload import Contender, Sample, http_request, magn_request
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import llama_cpp
 
-from appliance.config import parse_config
-from appliance.daemon import Daemon
-from appliance.devices import open_device
-from appliance.engine import Conversation, Engine, Runtime, Sampling, Token
+from appliance.config.validate import parse_config
+from appliance.daemon.core import Daemon
+from appliance.daemon.devices import open_device
+from appliance.engine.runtime import Conversation, Engine, Runtime, Sampling, Token
 from benchmarks.protocol.workload import MODEL_NAME, Contender, Sample
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp
 
 from appliance.client import MagnClient
-from appliance.engine import Runtime
+from appliance.engine.runtime import Runtime
 from benchmarks.common import tiny_model
 from benchmarks.protocol.clients import Http, MagnAsync, MagnBlocking, MagnRaw
 from benchmarks.protocol.inprocess import ComputeThread, DaemonCore, EngineDirect, Library

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 
-from appliance import settings as schema
-from appliance.configtypes import Config, ModelConfig
+from appliance.config import schema
+from appliance.config.types import Config, ModelConfig
 
 __all__ = ["ConfigDiff", "diff"]
 

@@ -1,6 +1,6 @@
 """One line-protocol connection (SPEC L6): read lines, call the daemon, write replies.
 
-Parsing and formatting live in :mod:`appliance.lines`; this is the IO shell around them.
+Parsing and formatting live in :mod:`appliance.protocol.lines`; this is the IO shell around them.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging
 import threading
 from typing import Any
 
-from appliance import lines
-from appliance.daemon import Daemon
+from appliance.protocol import lines
+from appliance.daemon.core import Daemon
 from appliance.errors import ApplianceError, internal
-from appliance.peer import peer_gone
+from appliance.server.peer import peer_gone
 
 log = logging.getLogger(__name__)
 

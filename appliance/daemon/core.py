@@ -1,8 +1,8 @@
 """The daemon core that every surface (line protocol, MAGN frames, HTTP) calls: ledger, refcounted models,
 agent slots with KV swap, idle unloading and device resync (SPEC L1–L7, R2, R3, R4).
 
-Model memory is admitted by the :class:`~appliance.ledger.Ledger` before anything is loaded. Each loaded
-model has one live context (one :class:`~appliance.engine.Runtime`): the agents on that model take turns in
+Model memory is admitted by the :class:`~appliance.daemon.ledger.Ledger` before anything is loaded. Each loaded
+model has one live context (one :class:`~appliance.engine.runtime.Runtime`): the agents on that model take turns in
 it, and a suspended agent's KV state waits in host RAM. Agents on different models never evict each other.
 """
 
@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import gguf_meta, policy, settings
-from appliance.config import Config, ModelConfig
-from appliance.devices import DeviceReading, MemoryDevice
-from appliance.engine import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
+from appliance.engine import gguf_meta
+from appliance.daemon import policy
+from appliance.config import schema as settings
+from appliance.config.validate import Config, ModelConfig
+from appliance.daemon.devices import DeviceReading, MemoryDevice
+from appliance.engine.runtime import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
 from appliance.errors import ApplianceError
-from appliance.ledger import Ledger, compute_cap, external_used
+from appliance.daemon.ledger import Ledger, compute_cap, external_used
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 Each device answers :meth:`MemoryDevice.read` with a :class:`DeviceReading` in bytes. :func:`parse_device_spec`
 is pure; :func:`open_device` is the IO edge. Sizes (``fake:<size>``, :class:`FakeDevice`'s total) follow the
-config's one rule, :func:`appliance.settings.parse_size`: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024.
+config's one rule, :func:`appliance.config.schema.parse_size`: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti powers of 1024.
 
 Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least one GPU, else ``host``),
 ``host``, ``nvml:N`` (GPU index N), ``fake:<size>`` (e.g. ``fake:8GiB``, for tests).
@@ -20,8 +20,8 @@ from typing import Literal, Protocol
 import pynvml
 
 from appliance.errors import ApplianceError
-from appliance.ledger import MAX_BYTES
-from appliance.settings import parse_size
+from appliance.daemon.ledger import MAX_BYTES
+from appliance.config.schema import parse_size
 
 DeviceKind = Literal["nvml", "host", "fake"]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from appliance.config import Config
-    from appliance.daemon import Daemon
+    from appliance.config.validate import Config
+    from appliance.daemon.core import Daemon
 
 FILENAME = "registry.json"
 

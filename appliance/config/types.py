@@ -1,6 +1,6 @@
 """The value types of a validated ``appliance.yaml`` (SPEC C1): frozen dataclasses, one per schema section.
 
-Built by :func:`appliance.config.parse_config`; field names are the keys of :mod:`appliance.settings`. Pure.
+Built by :func:`appliance.config.validate.parse_config`; field names are the keys of :mod:`appliance.config.schema`. Pure.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Parse and validate ``appliance.yaml`` (SPEC C1-C2) against the schema in :mod:`appliance.settings`.
+"""Parse and validate ``appliance.yaml`` (SPEC C1-C2) against the schema in :mod:`appliance.config.schema`.
 
 Pure: :func:`parse_config` takes text and returns a frozen :class:`Config`, or raises :class:`ConfigInvalid`
 with every :class:`Problem` at once, each with its key path and 1-based line (from the YAML node marks). The
 only IO is :func:`load_config` reading the file and the model-file existence check, which ``check_files``
 turns off (False) or replaces (a ``Path -> bool`` callable). The config's dataclasses live in
-:mod:`appliance.configtypes` and :func:`diff` (hot reload, C3) in :mod:`appliance.configdiff`; both are
-re-exported here, so ``from appliance.config import Config, diff, ConfigDiff`` keeps working.
+:mod:`appliance.config.types` and :func:`diff` (hot reload, C3) in :mod:`appliance.config.diff`; both are
+re-exported here, so ``from appliance.config.validate import Config, diff, ConfigDiff`` keeps working.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from appliance import settings as schema
-from appliance.configdiff import ConfigDiff, diff
-from appliance.configtypes import Config, EngineConfig, HttpConfig, ModelConfig, SocketConfig, TinySpec
+from appliance.config import schema
+from appliance.config.diff import ConfigDiff, diff
+from appliance.config.types import Config, EngineConfig, HttpConfig, ModelConfig, SocketConfig, TinySpec
 from appliance.errors import ApplianceError
-from appliance.settings import parse_size, render_docs, show
+from appliance.config.schema import parse_size, render_docs, show
 
 __all__ = ["Config", "ConfigDiff", "ConfigInvalid", "EngineConfig", "HttpConfig", "ModelConfig", "Problem",
            "SocketConfig", "TinySpec", "default_config", "diff", "load_config", "parse_config", "parse_size",

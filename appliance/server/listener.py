@@ -1,7 +1,7 @@
 """The Unix-socket server: one socket, two protocols (SPEC P5, L6, R1, R4).
 
 The first bytes of a connection decide: the MAGN magic (``4d 47 4e 54``) -> binary frames
-(:mod:`appliance.magnsession`), anything else -> the line protocol (:mod:`appliance.linesession`). At most
+(:mod:`appliance.server.magn`), anything else -> the line protocol (:mod:`appliance.server.lines`). At most
 ``max_connections`` clients are served; the next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke
 and is closed.
 """
@@ -16,13 +16,13 @@ import os
 import socket
 from pathlib import Path
 
-from appliance import lines
-from appliance.daemon import Daemon
+from appliance.protocol import lines
+from appliance.daemon.core import Daemon
 from appliance.errors import ApplianceError
-from appliance.frames import MAGIC_BYTES as MAGIC
-from appliance.frames import looks_like_magn
-from appliance.linesession import serve_lines
-from appliance.magnsession import error_frame, serve_magn
+from appliance.protocol.frames import MAGIC_BYTES as MAGIC
+from appliance.protocol.frames import looks_like_magn
+from appliance.server.lines import serve_lines
+from appliance.server.magn import error_frame, serve_magn
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One MAGN connection (SPEC P1–P5): frames in, daemon calls, frames out.
 
-The codec is :mod:`appliance.frames` / :mod:`appliance.messages` (sans-IO); this is the IO shell. Several
+The codec is :mod:`appliance.protocol.frames` / :mod:`appliance.protocol.messages` (sans-IO); this is the IO shell. Several
 tasks may run at once on one connection, each keyed by its client-chosen ``task_id``. A task that produces
 no token for ``heartbeat_interval_s`` sends HEARTBEAT frames; CANCEL or the client going away stops its
 generation at the next token.
@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 
 from appliance import __version__
-from appliance import messages as m
-from appliance.daemon import Daemon, DecodeResult
-from appliance.engine import Sampling, Token
+from appliance.protocol import messages as m
+from appliance.daemon.core import Daemon, DecodeResult
+from appliance.engine.runtime import Sampling, Token
 from appliance.errors import ApplianceError, internal
-from appliance.frames import HEADER, MAGIC, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
-from appliance.peer import peer_gone
-from appliance.prompts import render_chat
+from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
+from appliance.server.peer import peer_gone
+from appliance.engine.chat import render_chat
 
 log = logging.getLogger(__name__)
 

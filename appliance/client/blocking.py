@@ -1,9 +1,9 @@
 """The blocking MAGN client :class:`MagnClient`, and what it shares with the asyncio one (import both from
-:mod:`appliance.client`): a queue per task in flight (key ``task_id``; ``None`` for PROTOCOL_INFO), the routing of
+:mod:`appliance.client.aio`): a queue per task in flight (key ``task_id``; ``None`` for PROTOCOL_INFO), the routing of
 received messages to them, the building of requests and of each task's :class:`Completion`.
 
 :class:`MagnClient` is a plain blocking socket: a call writes its frame with one ``sendall``, then reads the socket
-itself (large ``recv`` chunks into a :class:`~appliance.frames.FrameParser`) until its own task's next message is
+itself (large ``recv`` chunks into a :class:`~appliance.protocol.frames.FrameParser`) until its own task's next message is
 queued; what arrives meanwhile for other tasks in flight (a stream left open, say) waits in their queues.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from appliance import messages as m
-from appliance.frames import CLOSED, DEFAULT_MAX_FRAME_BYTES, Frame, FrameParser, RemoteProtocolError
+from appliance.protocol import messages as m
+from appliance.protocol.frames import CLOSED, DEFAULT_MAX_FRAME_BYTES, Frame, FrameParser, RemoteProtocolError
 
 _T = TypeVar("_T")
 RECV_BYTES = 1 << 18  # one recv() takes up to this much: a whole burst of stream tokens at once

@@ -1,5 +1,5 @@
 """A MAGN client over a Unix socket: :class:`AsyncMagnClient` (asyncio) and :class:`MagnClient` (blocking; it lives in
-:mod:`appliance.syncclient`, with what both share, and is imported from here).
+:mod:`appliance.client.blocking`, with what both share, and is imported from here).
 
 Each received message goes to the queue of its ``task_id``, so streams may interleave on one connection: in
 ``AsyncMagnClient`` a reader task routes them (and calls may run concurrently); in ``MagnClient`` the call that waits
@@ -19,9 +19,9 @@ import contextlib
 import socket
 from typing import Any
 
-from appliance import messages as m
-from appliance.frames import CLOSED, DEFAULT_MAX_FRAME_BYTES, Frame, FrameParser
-from appliance.syncclient import Completion, MagnClient, TokenStream, _Connection, _expect, _Stream
+from appliance.protocol import messages as m
+from appliance.protocol.frames import CLOSED, DEFAULT_MAX_FRAME_BYTES, Frame, FrameParser
+from appliance.client.blocking import Completion, MagnClient, TokenStream, _Connection, _expect, _Stream
 
 __all__ = ["AsyncMagnClient", "AsyncTokenStream", "Completion", "MagnClient", "TokenStream"]
 

@@ -1,9 +1,9 @@
 """MAGN messages (SPEC P3): frozen dataclasses, one per JSON ``type``, each field declaring its own check.
 
-Construction validates (:class:`~appliance.frames.LocalProtocolError`, ``BAD_PAYLOAD``, ``details = {"field",
+Construction validates (:class:`~appliance.protocol.frames.LocalProtocolError`, ``BAD_PAYLOAD``, ``details = {"field",
 "reason"}``) and normalises (lists to tuples, dicts to records, ints to floats), so ``parse_message(m.to_payload())
 == m``. :func:`parse_message` refuses unknown types and missing, unknown or invalid fields with a non-fatal
-:class:`~appliance.frames.RemoteProtocolError` (the framing is intact, the connection can go on).
+:class:`~appliance.protocol.frames.RemoteProtocolError` (the framing is intact, the connection can go on).
 
 Tasks: the client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight at once.
 TASK_START is answered by its echo with ``status``; INFER_REQUEST by any STREAM_TOKEN / HEARTBEAT and then one
@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NoReturn
 
 from appliance.errors import TABLE, ApplianceError
-from appliance.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
+from appliance.protocol.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
 
 SCHEMA = "magn/1"
 MAX_ID_CHARS, MAX_TOKENS_LIMIT, MAX_STOP_STRINGS = 256, 131072, 16

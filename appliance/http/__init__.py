@@ -1,0 +1,1 @@
+"""The HTTP surface: the Starlette app and its server."""

@@ -1,0 +1,1 @@
+"""The wire protocols, sans-IO: MAGN frames and messages, the MAGN conversation, and the line protocol."""

@@ -1,0 +1,1 @@
+"""The Unix-socket server: the listener and one session per protocol (MAGN, line protocol)."""

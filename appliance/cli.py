@@ -12,9 +12,11 @@ from pathlib import Path
 
 from appliance.client import lines as lineclient
 from appliance.daemon import registry
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, StartupError
 
 DEFAULT_CONFIG = "appliance.yaml"
+EXIT_CONFIG_INVALID = 2
+EXIT_STARTUP_FAILED = 3
 
 
 def config_path(args: argparse.Namespace) -> Path:
@@ -48,8 +50,12 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
-        return 2
-    asyncio.run(appliance.run())
+        return EXIT_CONFIG_INVALID
+    try:
+        asyncio.run(appliance.run())
+    except StartupError as exc:
+        print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
     return 0
 
 

@@ -85,6 +85,16 @@ class ApplianceError(Exception):
         return cls(code, str(data.get("message") or ""), details if isinstance(details, dict) else {})
 
 
+class StartupError(Exception):
+    """The appliance cannot start (a busy port, a socket path another instance serves): a problem for the
+    operator, reported as one line by the CLI, never sent to a client as a P4 error."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
 def internal(exc: BaseException) -> ApplianceError:
     """Wrap an unexpected exception so that a client still gets the P4 shape."""
     return ApplianceError("INTERNAL", f"{type(exc).__name__}: {exc}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -126,3 +127,30 @@ def test_config_help_lists_every_setting_from_the_schema() -> None:
     text = appliance("config", "--help", check=True).stdout
     for setting in SETTINGS:
         assert setting.key in text, setting.key
+
+
+def run_once(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "appliance", "run", "--config", str(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_busy_port_is_a_startup_failure_not_a_wire_error(daemon_config: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        doc = yaml.safe_load(daemon_config.read_text())
+        doc["http"]["port"] = busy.getsockname()[1]
+        daemon_config.write_text(yaml.safe_dump(doc))
+        result = run_once(daemon_config)
+    assert result.returncode == 3
+    assert result.stderr.strip().splitlines()[-1].startswith("appliance: cannot start: cannot listen on 127.0.0.1:")
+    assert "Traceback" not in result.stderr and "INTERNAL" not in result.stderr
+
+
+def test_a_socket_path_that_is_a_file_is_refused_and_kept(daemon_config: Path) -> None:
+    precious = daemon_config.parent / "appliance.sock"
+    precious.write_text("not a socket\n")
+    result = run_once(daemon_config)
+    assert result.returncode == 3
+    assert "is not a socket" in result.stderr and "Traceback" not in result.stderr
+    assert precious.read_text() == "not a socket\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -13,10 +14,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, StartupError
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
+
+log = logging.getLogger(__name__)
 
 
 def health_document(appliance: Appliance) -> dict:
@@ -41,18 +44,41 @@ def error_response(error: ApplianceError) -> JSONResponse:
     return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
 
 
+async def appliance_error(request: Request, exc: Exception) -> JSONResponse:
+    """Every :class:`ApplianceError` a route raises becomes its P4 response: one mapping for every route."""
+    assert isinstance(exc, ApplianceError)
+    return error_response(exc)
+
+
+async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else is a bug: logged with its traceback, answered as P4 ``INTERNAL`` without its text."""
+    log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(ApplianceError("INTERNAL", "an unexpected internal error", {"path": request.url.path}))
+
+
+async def not_found(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}))
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
+                                         {"path": request.url.path, "method": request.method}))
+
+
+EXCEPTION_HANDLERS = {
+    404: not_found,
+    405: method_not_allowed,
+    ApplianceError: appliance_error,
+    Exception: unexpected_error,
+}
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse(health_document(request.app.state.appliance))
+
+
 def create_app(appliance: Appliance) -> Starlette:
-    async def health(request: Request) -> JSONResponse:
-        return JSONResponse(health_document(appliance))
-
-    async def not_found(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}))
-
-    async def bad_method(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
-                                             {"path": request.url.path, "method": request.method}))
-
-    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers={404: not_found, 405: bad_method})
+    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers=EXCEPTION_HANDLERS)
     app.state.appliance = appliance
     return app
 
@@ -70,8 +96,7 @@ class HttpServer(uvicorn.Server):
             self.socket.bind((host, port))
         except OSError as exc:
             self.socket.close()
-            raise ApplianceError("INTERNAL", f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                                 {"host": host, "port": port}) from exc
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self.socket.set_inheritable(True)
         self.host = host
         self.port = self.socket.getsockname()[1]

@@ -16,9 +16,9 @@ import os
 import socket
 from pathlib import Path
 
-from appliance.protocol import lines
 from appliance.daemon.core import Daemon
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, StartupError
+from appliance.protocol import lines
 from appliance.protocol.frames import MAGIC_BYTES as MAGIC
 from appliance.protocol.frames import looks_like_magn
 from appliance.server.lines import serve_lines
@@ -40,27 +40,37 @@ def _answers(path: Path) -> bool:
 
 
 class SocketServer:
+    """The listening Unix socket. It owns the socket file (created with ``mode``/``group``, removed at close,
+    a stale one replaced only when nothing answers on it), the set of connection tasks, and the connection
+    figures shown in STATUS. Each connection is handed to the session of the protocol its first bytes speak.
+    ``max_connections`` is read from the daemon's current config at each accept."""
+
     def __init__(self, daemon: Daemon, path: Path, *, mode: int = 0o660, group: str | None = None,
-                 max_connections: int = 128) -> None:
+                 max_connections: int | None = None) -> None:
         self.daemon = daemon
         self.path = path
         self.mode = mode
         self.group = group
-        self.max_connections = max_connections
+        self._max_connections = max_connections  # a fixed limit overrides the config's (tests)
         self.connections: set[asyncio.Task[None]] = set()
         self.accepted = 0
         self.refused = 0
         self.buffer_bytes: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
 
+    @property
+    def max_connections(self) -> int:
+        if self._max_connections is not None:
+            return self._max_connections
+        return self.daemon.config.max_connections
+
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
             if not self.path.is_socket():
-                raise ApplianceError("BAD_REQUEST", f"{self.path} exists and is not a socket", {"path": str(self.path)})
+                raise StartupError(f"{self.path} exists and is not a socket", path=str(self.path))
             if _answers(self.path):
-                raise ApplianceError("INTERNAL", f"another appliance is already serving on {self.path}",
-                                     {"path": str(self.path)})
+                raise StartupError(f"another appliance is already serving on {self.path}", path=str(self.path))
             self.path.unlink()  # a stale socket left by a killed daemon
         old_umask = os.umask(0o777 & ~self.mode)  # the socket is never reachable with looser permissions
         try:
@@ -157,6 +167,7 @@ class SocketServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._server is not None:  # only the socket we bound: never a file that was there before
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 

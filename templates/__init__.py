@@ -1,0 +1,1 @@
+"""Jinja2 templates of the admin page (a data package: see appliance/http/assets.py)."""

@@ -103,3 +103,111 @@ def test_help_lists_every_command() -> None:
     for name in lines.COMMANDS:
         assert f"\n{name}" in text
     assert text.endswith("END_RESPONSE\n")
+
+
+# -- the sans-IO reader: one table, fed whole, byte by byte and with trailing data ------------------
+# Each stream and what the reader makes of it: a Command, or the P4 code of a LineProtocolError.
+STREAMS: list[tuple[bytes, list[object]]] = [
+    (b"HELP\n", [lines.Command("HELP")]),
+    (b"STATUS\r\nLIST\n", [lines.Command("STATUS"), lines.Command("LIST")]),
+    (b"\n\n  \nHELP\n\n", [lines.Command("HELP")]),
+    (b"FROB\nHELP\n", ["UNKNOWN_COMMAND", lines.Command("HELP")]),
+    (b"DECODE a \xc2\xb2 x\nHELP\n", ["BAD_REQUEST", lines.Command("HELP")]),
+    (b"DECODE a 1 \xff\nDECODE a 2 hi\n", ["BAD_REQUEST", lines.Command("DECODE", agent="a", n_tokens=2, prompt="hi")]),
+    (b"REGISTER a demo", [lines.Command("REGISTER", agent="a", model="demo")]),  # last line without newline
+]
+
+
+def events(reader: lines.LineReader) -> list[object]:
+    found: list[object] = []
+    while True:
+        try:
+            event = reader.next_event()
+        except lines.LineProtocolError as exc:
+            found.append(exc.error.code)
+            if exc.fatal:
+                return found
+            continue
+        if event is lines.NEED_DATA or event is lines.CLOSED:
+            return found
+        found.append(event)
+
+
+def feed(chunks: list[bytes]) -> tuple[list[object], object]:
+    reader = lines.LineReader()
+    found: list[object] = []
+    for chunk in chunks:
+        reader.receive_data(chunk)
+        found += events(reader)
+    reader.receive_data(b"")
+    found += events(reader)
+    return found, reader.next_event()
+
+
+@pytest.mark.parametrize(("data", "expected"), STREAMS)
+def test_reader_whole(data: bytes, expected: list[object]) -> None:
+    assert feed([data]) == (expected, lines.CLOSED)
+
+
+@pytest.mark.parametrize(("data", "expected"), STREAMS)
+def test_reader_byte_by_byte(data: bytes, expected: list[object]) -> None:
+    assert feed([data[i:i + 1] for i in range(len(data))]) == (expected, lines.CLOSED)
+
+
+@pytest.mark.parametrize(("data", "expected"), STREAMS)
+def test_reader_with_trailing_data(data: bytes, expected: list[object]) -> None:
+    """Lines are returned as soon as they are complete; what follows waits for its newline."""
+    reader = lines.LineReader()
+    reader.receive_data(data + b"\nDECODE a 3 tail")
+    assert events(reader) == expected
+    assert reader.buffered == len(b"DECODE a 3 tail")
+    assert reader.next_event() is lines.NEED_DATA
+    reader.receive_data(b"\n")
+    assert reader.next_event() == lines.Command("DECODE", agent="a", n_tokens=3, prompt="tail")
+
+
+def test_an_overlong_line_is_refused_before_its_end_arrives_and_is_fatal() -> None:
+    reader = lines.LineReader()
+    reader.receive_data(b"HELP\n" + b"x" * (lines.MAX_LINE_BYTES + 1))
+    assert reader.next_event() == lines.Command("HELP")
+    with pytest.raises(lines.LineProtocolError) as info:
+        reader.next_event()
+    assert info.value.fatal and info.value.error.details == {"max_line_bytes": lines.MAX_LINE_BYTES}
+    with pytest.raises(lines.LineProtocolError):
+        reader.receive_data(b"\n")
+
+
+def test_a_line_of_exactly_the_limit_is_accepted() -> None:
+    reader = lines.LineReader()
+    prompt = "y" * (lines.MAX_LINE_BYTES - len("DECODE a 1 "))
+    reader.receive_data(f"DECODE a 1 {prompt}\n".encode())
+    assert reader.next_event() == lines.Command("DECODE", agent="a", n_tokens=1, prompt=prompt)
+
+
+def test_a_megabyte_of_newlines_is_read_in_linear_time() -> None:
+    reader = lines.LineReader()
+    for _ in range(16):
+        reader.receive_data(b"\n" * 65536)
+        assert reader.next_event() is lines.NEED_DATA
+    reader.receive_data(b"HELP\n")
+    assert reader.next_event() == lines.Command("HELP")
+    assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("count", ["²", "١٢", "0x10", "1" * 5000, "+5", " 5"])
+def test_decode_counts_are_ascii_integers_with_the_limit_in_the_error(count: str) -> None:
+    with pytest.raises(ApplianceError) as info:
+        lines.parse_line(f"DECODE a {count} x")
+    assert info.value.code == "BAD_REQUEST"
+    assert info.value.details["max"] == lines.MAX_DECODE_TOKENS
+
+
+@given(st.lists(st.binary(max_size=64), max_size=20))
+def test_only_a_line_protocol_error_escapes_the_reader(chunks: list[bytes]) -> None:
+    reader = lines.LineReader()
+    for chunk in [c for c in chunks if c] + [b""]:
+        try:
+            reader.receive_data(chunk)
+            events(reader)
+        except lines.LineProtocolError:
+            return

@@ -11,9 +11,9 @@ import logging
 import threading
 from typing import Any
 
-from appliance.protocol import lines
 from appliance.daemon.core import Daemon
 from appliance.errors import ApplianceError, internal
+from appliance.protocol import lines
 from appliance.server.peer import peer_gone
 
 log = logging.getLogger(__name__)
@@ -83,76 +83,97 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     ], body=[gen.text], agent_id=command.agent)
 
 
-async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      initial: bytes) -> None:
-    """Serve one connection until EOF. Bad lines get ERR replies and the connection keeps working."""
-    buffer = bytearray(initial)
-    eof = False
-    while True:
-        newline = buffer.find(b"\n")
-        if newline < 0:
-            if len(buffer) > lines.MAX_LINE_BYTES:
-                writer.write(lines.format_error(ApplianceError(
-                    "BAD_REQUEST", f"line longer than {lines.MAX_LINE_BYTES} bytes")).encode())
-                await writer.drain()
-                return
-            if eof:
-                if not buffer.strip():
-                    return
-                newline = len(buffer)  # a last line without newline still counts (nc -N)
-                buffer.append(10)
-            else:
-                chunk = await reader.read(65536)
-                eof = not chunk
-                buffer += chunk
-                continue
-        raw, buffer = bytes(buffer[:newline]), buffer[newline + 1:]
-        if not raw.strip():
-            continue
-        cancel = threading.Event()
-        try:
-            command = lines.parse_line(raw)
-            job = asyncio.ensure_future(execute(daemon, command, cancel))
+READ_AHEAD_BYTES = 1 << 20
+"""While a command runs, pipelined bytes are read ahead up to this much; then reading pauses (backpressure)."""
+
+
+class LineSession:
+    """One line-protocol connection. It owns the connection's :class:`~appliance.protocol.lines.LineReader`
+    (bytes to commands), runs one command at a time in order, and watches the socket while a command runs:
+    a client that closes its socket cancels its generation at the next token (R3)."""
+
+    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.reader = reader
+        self.writer = writer
+        self.lines = lines.LineReader()
+        self.eof = False
+
+    async def serve(self, initial: bytes) -> None:
+        """Serve until EOF. Bad lines get ERR replies and the connection keeps working."""
+        if initial:
+            self.lines.receive_data(initial)
+        while True:
             try:
-                chunk, eof = await watch(job, reader, writer, cancel, eof)
+                event = self.lines.next_event()
+            except lines.LineProtocolError as exc:
+                self.writer.write(lines.format_error(exc.error).encode())
+                await self.writer.drain()
+                if exc.fatal:
+                    return
+                continue
+            if event is lines.CLOSED:
+                return
+            if event is lines.NEED_DATA:
+                await self.read()
+                continue
+            cancel = threading.Event()
+            reply = await self.run(event, cancel)
+            if cancel.is_set():
+                return  # the client went away: nobody to answer
+            self.writer.write(reply.encode("utf-8"))
+            await self.writer.drain()
+
+    async def read(self) -> None:
+        chunk = await self.reader.read(65536)
+        self.eof = not chunk
+        self.lines.receive_data(chunk)
+
+    async def run(self, command: lines.Command, cancel: threading.Event) -> str:
+        """The full reply text for one command: its answer, or its error as one ERR line."""
+        try:
+            job = asyncio.ensure_future(execute(self.daemon, command, cancel))
+            try:
+                await self.watch(job, cancel)
             except asyncio.CancelledError:  # the daemon is stopping: say so, then let the connection go
-                writer.write(lines.format_error(ApplianceError("SHUTTING_DOWN", "the appliance is stopping")).encode())
+                error = ApplianceError("SHUTTING_DOWN", "the appliance is stopping")
+                self.writer.write(lines.format_error(error).encode())
                 raise
-            buffer += chunk
-            reply = job.result()
+            return job.result()
         except ApplianceError as exc:
-            reply = lines.format_error(exc)
+            return lines.format_error(exc)
         except Exception as exc:  # never let one request take the daemon down
             log.exception("line command failed")
-            reply = lines.format_error(internal(exc))
-        if cancel.is_set():
-            return
-        writer.write(reply.encode("utf-8"))
-        await writer.drain()
+            return lines.format_error(internal(exc))
+
+    async def watch(self, job: asyncio.Future[str], cancel: threading.Event) -> None:
+        """Wait for ``job`` while reading ahead (pipelined lines are kept, up to :data:`READ_AHEAD_BYTES`).
+        The client closing its socket, or the server stopping, cancels the job's generation at the next
+        token (R3)."""
+        try:
+            while not job.done():
+                if self.eof or self.lines.buffered >= READ_AHEAD_BYTES:
+                    await asyncio.wait({job})
+                    continue
+                reading = asyncio.ensure_future(self.reader.read(65536))
+                await asyncio.wait({job, reading}, return_when=asyncio.FIRST_COMPLETED)
+                if reading.done():
+                    chunk = reading.result()
+                    self.eof = not chunk
+                    self.lines.receive_data(chunk)
+                    if self.eof and peer_gone(self.writer):
+                        cancel.set()
+                else:
+                    reading.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reading
+        except asyncio.CancelledError:
+            cancel.set()
+            with contextlib.suppress(BaseException):
+                await job
+            raise
 
 
-async def watch(job: asyncio.Future[str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                cancel: threading.Event, eof: bool) -> tuple[bytes, bool]:
-    """Wait for ``job`` while reading ahead (pipelined lines are kept). The client closing its socket, or the
-    server stopping, cancels the job's generation at the next token (R3); returns (read-ahead, eof)."""
-    ahead = bytearray()
-    try:
-        while not job.done():
-            reading = asyncio.ensure_future(reader.read(65536)) if not eof else None
-            await asyncio.wait({job} if reading is None else {job, reading}, return_when=asyncio.FIRST_COMPLETED)
-            if reading is not None and reading.done():
-                chunk = reading.result()
-                ahead += chunk
-                eof = not chunk
-                if eof and peer_gone(writer):
-                    cancel.set()
-            elif reading is not None:
-                reading.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reading
-    except asyncio.CancelledError:
-        cancel.set()
-        with contextlib.suppress(BaseException):
-            await job
-        raise
-    return bytes(ahead), eof
+async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      initial: bytes) -> None:
+    await LineSession(daemon, reader, writer).serve(initial)

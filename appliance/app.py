@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from appliance import __version__
-from appliance.daemon import registry
 from appliance.config.validate import Config, load_config
+from appliance.daemon import registry
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import MemoryDevice, open_device
+from appliance.engine.interface import EngineProtocol
 from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
 
@@ -35,11 +37,33 @@ def ensure_demo_models(config: Config) -> list[Path]:
     return made
 
 
+EngineFactory = Callable[[Config], EngineProtocol]
+"""Builds the daemon's engine from the config at :meth:`Appliance.start` (tests: a fake or gated engine)."""
+
+SWEEP_MAX_PERIOD_S = 5.0
+IDLE_RESYNC_CHECK_S = 1.0  # how often a switched-off resync looks whether the config switched it on
+
+
+def sweep_period(config: Config) -> float:
+    """Seconds between idle sweeps: a quarter of the shortest idle TTL, within [0.05, 5] s."""
+    return max(0.05, min([m.idle_ttl_s / 4 for m in config.models if m.idle_ttl_s > 0] + [SWEEP_MAX_PERIOD_S]))
+
+
 class Appliance:
-    def __init__(self, config: Config, *, device: MemoryDevice | None = None, http: bool = True) -> None:
+    """The running appliance: what ``appliance run`` builds from a config.
+
+    It owns: the :class:`Daemon` (built in :meth:`start`, with its engine and device), the socket server, the HTTP
+    server, the background tasks (idle sweep, device resync, HTTP), the registry file, and the stop signal.
+    ``config`` is the current configuration; the background loops read it on every iteration (periods, TTLs), so
+    replacing it takes effect without restarting them.
+    """
+
+    def __init__(self, config: Config, *, device: MemoryDevice | None = None, http: bool = True,
+                 engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.version = __version__
         self._device = device
+        self._engine_factory = engine_factory
         self._http_enabled = http
         self.daemon: Daemon | None = None
         self.socket_server: SocketServer | None = None
@@ -62,12 +86,13 @@ class Appliance:
         config = self.config
         config.data_dir.mkdir(parents=True, exist_ok=True)
         device = self._device or open_device(config.device)
-        self.daemon = Daemon(config, device)
+        engine = self._engine_factory(config) if self._engine_factory is not None else None
+        self.daemon = Daemon(config, device, engine)
         self.daemon.on_change = self.write_registry
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
-                                          group=config.socket.group, max_connections=config.max_connections)
+                                          group=config.socket.group)
         await self.socket_server.start()
         self.daemon.reports["socket"] = self.socket_server.report
         if self.http_server is not None:
@@ -75,8 +100,7 @@ class Appliance:
             while not self.http_server.started:
                 await asyncio.sleep(0.01)
         self._tasks.append(asyncio.create_task(self._sweep(), name="idle-sweep"))
-        if config.resync_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._resync(), name="resync"))
+        self._tasks.append(asyncio.create_task(self._resync(), name="resync"))
         self.write_registry()
         log.info("appliance %s ready: socket %s, http %s, device %s", self.version, config.socket.path,
                  self.http_url, self.daemon.reading.name)
@@ -86,19 +110,26 @@ class Appliance:
         registry.write(self.config.data_dir, registry.document(self.config, self.daemon, self.http_url))
 
     async def _sweep(self) -> None:
+        """Unload idle models (L7); the period follows the current config's shortest TTL."""
         assert self.daemon is not None
-        period = max(0.05, min([m.idle_ttl_s / 4 for m in self.config.models if m.idle_ttl_s > 0] + [5.0]))
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(sweep_period(self.config))
             try:
                 await self.daemon.sweep_idle()
             except Exception:
                 log.exception("idle sweep failed")
 
     async def _resync(self) -> None:
+        """Re-read the device every ``resync_interval_s`` of the current config (0 = off, checked again later)."""
         assert self.daemon is not None
         while True:
-            await asyncio.sleep(self.config.resync_interval_s)
+            interval = self.config.resync_interval_s
+            if interval <= 0:
+                await asyncio.sleep(IDLE_RESYNC_CHECK_S)
+                continue
+            await asyncio.sleep(interval)
+            if self.config.resync_interval_s <= 0:
+                continue
             try:
                 await asyncio.to_thread(self.daemon.resync)
             except Exception:

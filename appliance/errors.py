@@ -47,9 +47,12 @@ _KINDS = [
 TABLE: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ApplianceError(Exception):
-    """An error with a code from :data:`TABLE`; raise it anywhere, every surface knows how to send it."""
+    """An error with a code from :data:`TABLE`; raise it anywhere, every surface knows how to send it.
+
+    Not a frozen dataclass: Python sets ``__traceback__`` (and ``__context__``) on an exception as it travels,
+    for example through a ``@contextmanager`` generator, and a frozen one turns that into FrozenInstanceError."""
 
     code: str
     message: str = ""

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.daemon.devices import FakeDevice, parse_size
-from appliance.errors import ApplianceError
-from appliance.engine.gguf_meta import Estimate, ModelShape, estimate, kv_bytes, read_model_shape
 from appliance.daemon.ledger import Ledger, compute_cap
+from appliance.engine.gguf_meta import Estimate, ModelShape, estimate, kv_bytes, read_model_shape
+from appliance.errors import ApplianceError
 from benchmarks.common import add_output_args, finish, tiny_model
 
 NAME = "admission"

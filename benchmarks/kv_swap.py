@@ -1,8 +1,8 @@
 """KV swap cost against memory bandwidth (SPEC B4, L5).
 
 One agent's 2k-token context on a 12-layer, 768-wide f16 model is evicted to host RAM and restored with
-:meth:`appliance.engine.runtime.Runtime.save` / :meth:`~appliance.engine.runtime.Runtime.restore` (llama.cpp's per-sequence
-state API into a reusable host buffer). In the same run, interleaved round by round so that a noisy machine
+:meth:`appliance.engine.runtime.Runtime.save` / :meth:`~appliance.engine.runtime.Runtime.restore`
+(llama.cpp's per-sequence state API into a reusable host buffer). In the same run, interleaved round by round so that a noisy machine
 hurts every contender alike, it times:
 
 * a plain memory copy of the same number of bytes between two preallocated buffers (``numpy.copyto`` and
@@ -33,8 +33,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from appliance.engine.runtime import GREEDY, Conversation, Runtime, Token
 from appliance.engine.gguf_meta import read_model_shape
+from appliance.engine.runtime import GREEDY, Conversation, Runtime, Token
 from benchmarks.common import add_output_args, default_threads, fill_defaults, finish, machine, tiny_model
 
 NAME = "kv_swap"

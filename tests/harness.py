@@ -1,4 +1,9 @@
-"""Start a real appliance (real socket, real HTTP server, real models) in a background thread for tests."""
+"""Start a real appliance (real socket, real HTTP server, real models) in a background thread for tests.
+
+Its engine is the real llama.cpp one behind a :class:`~appliance.engine.fake.GatedEngine` whose gate is open and
+whose delay is 0, so it behaves like production until a test slows or holds its tokens (``app.engine.delay_s``,
+``app.engine.gate``); ``engine_factory`` replaces it (e.g. with a :class:`~appliance.engine.fake.FakeEngine`).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ from typing import Any
 
 import yaml
 
+from appliance.app import Appliance, EngineFactory
 from appliance.client import lines as lineclient
-from appliance.app import Appliance
-from appliance.config.validate import parse_config
+from appliance.config.validate import Config, parse_config
+from appliance.engine.fake import GatedEngine
 
 
 def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: list[Path],
@@ -33,6 +39,13 @@ def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: l
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def gated_real_engine(config: Config) -> GatedEngine:
+    """The production engine (llama.cpp), wrapped so that tests can gate or slow its tokens."""
+    from appliance.engine.runtime import Engine
+
+    return GatedEngine(Engine(config.engine.threads or None))
+
+
 class Running:
     def __init__(self, appliance: Appliance, loop: asyncio.AbstractEventLoop) -> None:
         self.appliance = appliance
@@ -46,6 +59,11 @@ class Running:
     def daemon(self):  # type: ignore[no-untyped-def]
         return self.appliance.daemon
 
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]
+        """The daemon's engine: a :class:`GatedEngine` unless ``running(engine_factory=...)`` said otherwise."""
+        return self.appliance.daemon.engine
+
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
@@ -55,13 +73,14 @@ class Running:
 
 @contextmanager
 def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: bool = True,
-            **extra: Any) -> Iterator[Running]:
-    """A real appliance on a short temporary socket path (AF_UNIX paths are limited to 108 bytes)."""
+            engine_factory: EngineFactory = gated_real_engine, **extra: Any) -> Iterator[Running]:
+    """A real appliance on a short temporary socket path (AF_UNIX paths are limited to 108 bytes); ``extra``
+    are more config settings."""
     state = Path(tempfile.mkdtemp(prefix="ap-"))
     try:
         text = config_text(models, state=state, model_dirs=model_dirs, **extra)
         config = parse_config(text, source=state / "appliance.yaml", base_dir=state)
-        appliance = Appliance(config, http=http)
+        appliance = Appliance(config, http=http, engine_factory=engine_factory)
         loop = asyncio.new_event_loop()
         started = threading.Event()
         failure: list[BaseException] = []

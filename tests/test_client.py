@@ -50,7 +50,9 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
 class FakeServer:
     """Scripted by the prompt: "hang..." streams one token and waits for CANCEL, "tick..." sends a HEARTBEAT every
     50 ms until CANCEL, "fatal..." streams one token then a connection-level ERROR and closes, "defer..." is answered
-    only after the next request, model "nope" gets UNKNOWN_MODEL, anything else echoes its words as tokens.
+    only after the next request, "stale..." is answered and then sent messages for no task in flight, "mixup..."
+    streams one token then a TASK_START echo (against the rules), model "nope" gets UNKNOWN_MODEL, anything else
+    echoes its words as tokens.
     ``mode``: "full" (connection-level ERROR, then close), "garbage" (not MAGN), "close" (close on first frame)."""
 
     def __init__(self, path: Path, mode: str = "normal") -> None:
@@ -120,6 +122,13 @@ class FakeServer:
                 return "close"
             elif prompt.startswith("defer"):
                 deferred.append(msg)
+            elif prompt.startswith("stale"):  # the task's own messages after its end, and one for no task at all
+                self._complete(send, msg)
+                send(Heartbeat(msg.task_id, time.time()))
+                send(StreamToken("ghost", "boo", 1, time.time()))
+            elif prompt.startswith("mixup"):  # a TASK_START echo for an INFER_REQUEST: breaks the rules
+                send(StreamToken(msg.task_id, "first", 1, time.time()))
+                send(TaskStart(msg.task_id, "s", "m", status="started"))
             else:
                 for request in [msg, *deferred]:
                     self._complete(send, request)
@@ -438,6 +447,23 @@ def test_what_the_server_said_before_it_closed_beats_the_failed_send(make_server
         time.sleep(0.2)  # the server has sent its ERROR and closed: the next send fails (EPIPE)
         with pytest.raises(ApplianceError, match="TOO_MANY_CONNECTIONS"):
             client.infer(model="m", prompt="x")
+
+
+def test_messages_for_no_task_in_flight_are_dropped(client: Client) -> None:
+    assert client.infer(model="m", prompt="stale words").text == "stale words"
+    assert client.protocol_info() == INFO  # the late HEARTBEAT and the ghost's token did not disturb anything
+    assert client.heartbeats == 1
+
+
+def test_a_rule_broken_for_one_task_fails_that_task_only(client: Client, server: FakeServer) -> None:
+    stream = client.stream(model="m", prompt="mixup")
+    assert next(stream).text == "first"
+    with pytest.raises(RemoteProtocolError) as info:
+        next(stream)
+    assert info.value.code == "BAD_REQUEST" and info.value.task_id == stream.task_id and not info.value.fatal
+    assert list(stream) == [] and stream.completion is None
+    assert client.infer(model="m", prompt="still fine").text == "still fine"
+    assert server.wait_for(lambda got: Cancel(stream.task_id) in got)  # the task was abandoned
 
 
 # --- asyncio client -----------------------------------------------------------------------------------------------

@@ -271,6 +271,34 @@ def test_yaml_anchors_and_merge_keys_work():
     assert [(p.path, p.line) for p in found] == [("models[1].name", 2), ("models[1].nctx", 4)]
 
 
+def test_a_key_written_in_the_mapping_overrides_the_merged_one_and_duplicates_are_still_refused():
+    config = parse("models:\n  - &base {name: a, path: /a.gguf, n_ctx: 1024}\n"
+                   "  - <<: *base\n    name: b\n    n_ctx: 4096\n")
+    assert config.model("b").n_ctx == 4096 and config.model("a").n_ctx == 1024
+    problem = only("models:\n  - &base {name: a, path: /a.gguf}\n  - <<: *base\n    name: b\n    name: c\n")
+    assert (problem.path, problem.line) == ("models[1].name", 5)
+    assert problem.message == "duplicate key (first at line 4)"
+
+
+def test_a_bad_merge_key_is_a_problem_of_its_mapping():
+    problem = only("engine:\n  <<: 5\n")
+    assert (problem.path, problem.line) == ("engine", 2) and "bad merge key" in problem.message
+
+
+def test_an_unknown_key_that_names_a_section_says_where_it_belongs():
+    problem = only("generate_if_missing: {layers: 1, dim: 64}\n")
+    assert problem.message == "unknown key 'generate_if_missing' (it belongs at 'models[].generate_if_missing')"
+
+
+def test_problem_and_error_without_line_or_path():
+    problem = Problem("", None, "cannot read the file: boom", "x.yaml")
+    assert str(problem) == "x.yaml: cannot read the file: boom"
+    assert str(Problem("http.port", 3, "must be ≤ 65535")) == "appliance.yaml:3: http.port: must be ≤ 65535"
+    error = ConfigInvalid([problem]).error
+    assert error.message == str(problem) and error.details["source"] is None
+    assert ConfigInvalid([]).error.message == "invalid"
+
+
 def test_load_config_of_a_missing_file_is_config_invalid(tmp_path):
     with pytest.raises(ConfigInvalid) as info:
         load_config(tmp_path / "nope.yaml")
@@ -477,6 +505,24 @@ def test_render_docs_mentions_every_setting_and_section():
 def test_shipped_docs_are_render_docs_output():
     assert (REPO / "docs" / "configuration.md").read_text() == render_docs(), (
         "regenerate: python -m appliance.config.schema > docs/configuration.md")
+
+
+def test_describe_spells_choices_bounds_and_null():
+    assert schema.BY_KEY["max_frame_bytes"].describe().endswith("(range 1KiB..1GiB)")
+    assert schema.BY_KEY["models[].idle_ttl_s"].describe().endswith("(≥ 0)")
+    assert schema.BY_KEY["log_level"].describe() == "Log verbosity. (one of: debug, info, warning, error, critical)"
+    assert schema.BY_KEY["socket.group"].describe().endswith("(may be null)")
+    assert schema.BY_KEY["engine.async_switch"].describe() == "Switch plans off the request path."
+
+
+def test_members_of_each_section():
+    settings_, subs = schema.members("models")
+    assert list(settings_) == ["name", "path", "vram_bytes", "n_ctx", "n_gpu_layers", "idle_ttl_s", "cache_type"]
+    assert list(subs) == ["generate_if_missing"]
+    settings_, subs = schema.members("")
+    assert list(subs) == ["socket", "http", "engine", "models"] and "data_dir" in settings_
+    assert [s.prefix for s in schema.SECTIONS] == ["socket.", "http.", "engine.", "models[].",
+                                                    "models[].generate_if_missing."]
 
 
 def test_render_help_lists_every_key():

@@ -78,15 +78,17 @@ def test_health_answers_from_memory_while_a_decode_runs(model_dir: Path) -> None
         wrong = httpx.post(url)
         assert wrong.status_code == 405 and set(wrong.json()["error"]) == {"code", "message", "retryable", "details"}
         app.line("REGISTER a tiny")
-        app.daemon.engine.token_delay_s = 0.02
+        app.engine.gate.close()  # the decode below holds the engine thread until the gate opens
         worker = threading.Thread(target=app.line, args=("DECODE a 60 Hello",))
         worker.start()
-        time.sleep(0.3)
+        app.engine.gate.wait_arrived(1)
         times = []
         for _ in range(10):
             start = time.perf_counter()
             assert httpx.get(url).status_code == 200
             times.append(time.perf_counter() - start)
+        assert app.engine.gate.held == 1  # the decode was running all along
+        app.engine.gate.open()
         worker.join()
         assert sorted(times)[5] < 0.25, times  # a generous bound for a loaded 2-core machine
 
@@ -209,18 +211,21 @@ def test_client_killed_mid_decode_leaves_nothing_behind(model_dir: Path) -> None
                  model_dirs=[model_dir]) as app:
         daemon = app.daemon
         app.line("REGISTER a tiny")
-        daemon.engine.token_delay_s = 0.05
+        gate = app.engine.gate
+        gate.close()
+        gate.release(2)
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(str(app.socket))
         sock.sendall(b"DECODE a 400 Hello\n")
-        time.sleep(0.5)
-        sock.close()  # 400 tokens would take 20 s; the daemon must notice within a token or two
+        gate.wait_arrived(3)  # two tokens out, the third held: only a cancel can end this decode now
+        sock.close()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (daemon.models["tiny"].inflight or daemon.agents["a"].lock.locked()):
             time.sleep(0.05)
         assert daemon.models["tiny"].inflight == 0 and not daemon.agents["a"].lock.locked()
         assert len(app.appliance.socket_server.connections) == 0
-        daemon.engine.token_delay_s = 0
+        assert gate.held == 0 and gate.passed == 2
+        gate.open()
         assert fields(app.line("DECODE a 4"))["generated_tokens"] in ("4", "1", "2", "3")
         app.line("UNREGISTER a")
         assert daemon.ledger.allocated == 0 and not daemon.agents

@@ -19,8 +19,8 @@ from appliance.daemon.devices import (
     open_device,
     parse_device_spec,
 )
-from appliance.errors import ApplianceError
 from appliance.daemon.ledger import MAX_BYTES
+from appliance.errors import ApplianceError
 
 GIB = 2**30
 GPU = gpu_visible()

@@ -252,6 +252,37 @@ def test_encoder_refuses_what_is_not_strict_json(payload: object) -> None:
     assert info.value.code == "BAD_PAYLOAD"
 
 
+@pytest.mark.parametrize(("payload", "field", "reason"), [
+    ({"a": {"b": [1, float("nan")]}}, "a.b[1]", "number is not finite"),
+    ({"a": [{"b": 2**64}]}, "a[0].b", "integer out of the 64-bit range"),
+    ({"a": {"\ud800": 1}}, "a", "string is not valid Unicode"),
+    ({"a": {2: 1}}, "a", "object key 2 is not a string"),
+    ({"a": (1,)}, "a", "tuple is not a JSON type"),
+], ids=repr)
+def test_encoder_names_the_offending_value(payload: dict, field: str, reason: str) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frame(payload)
+    assert info.value.error.details == {"field": field, "reason": reason}
+    assert info.value.error.message == f"{field}: {reason}"
+
+
+def test_encoder_refusal_of_the_payload_itself_has_no_field() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frame([1])  # type: ignore[arg-type]
+    assert info.value.error.details == {"field": None, "reason": "payload is not a JSON object"}
+    assert info.value.error.message == "payload: payload is not a JSON object"
+
+
+def test_a_value_outside_strict_json_in_a_received_frame_names_its_field() -> None:
+    wire = raw_frame(b'{"a": {"b": 1e999}}') + GOLDEN[0][1]
+    parser = FrameParser()
+    parser.receive_data(wire)
+    with pytest.raises(RemoteProtocolError) as info:
+        parser.next_event()
+    assert info.value.error.details == {"stage": "json", "field": "a.b", "reason": "a.b: number is not finite"}
+    assert parser.next_event() == Frame(GOLDEN[0][0]) and parser.last_length == len(GOLDEN[0][1]) - HEADER.size
+
+
 def test_encoder_limits() -> None:
     with pytest.raises(LocalProtocolError) as info:
         encode_frame({"prompt": "x" * 100}, max_frame_bytes=100)

@@ -6,7 +6,6 @@ import gguf
 import numpy as np
 import pytest
 
-from appliance.errors import ApplianceError
 from appliance.engine.gguf_meta import (
     CACHE_TYPE_BYTES,
     Estimate,
@@ -18,6 +17,7 @@ from appliance.engine.gguf_meta import (
     read_model_shape,
 )
 from appliance.engine.tinymodel import build_vocabulary, write_tiny_model
+from appliance.errors import ApplianceError
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

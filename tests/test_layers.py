@@ -23,6 +23,7 @@ PURE = [
     "config.types",
     "config.validate",
     "config.diff",
+    "protocol.events",
     "protocol.frames",
     "protocol.messages",
     "protocol.connection",
@@ -31,6 +32,7 @@ PURE = [
     "daemon.policy",
     "engine.chat",
     "engine.gguf_meta",
+    "engine.interface",
 ]
 
 

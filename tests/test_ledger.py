@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from appliance.errors import ApplianceError
 from appliance.daemon.ledger import MAX_BYTES, Ledger, LedgerSnapshot, Reservation, compute_cap, external_used
+from appliance.errors import ApplianceError
 
 GIB = 2**30
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.protocol import lines
 from appliance.errors import ApplianceError
+from appliance.protocol import lines
 
 GOOD = [
     ("HELP", lines.Command("HELP")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import socket
@@ -12,10 +13,13 @@ from pathlib import Path
 import pytest
 from harness import running
 
-from appliance.protocol import messages as m
 from appliance.client import MagnClient
+from appliance.engine.runtime import Generation, Token
 from appliance.errors import ApplianceError
+from appliance.protocol import messages as m
 from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, FrameParser, encode_frame
+from appliance.server.outcome import cancelled_error, error_of
+from appliance.server.pump import TokenPump
 
 
 @pytest.fixture
@@ -91,7 +95,7 @@ def test_two_tasks_in_flight_on_one_connection_both_complete(model_dir: Path) ->
 def test_stalled_generation_sends_heartbeats(model_dir: Path) -> None:
     with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
                  heartbeat_interval_s=0.1) as app:
-        app.daemon.engine.token_delay_s = 0.35  # the test hook: each token stalls
+        app.engine.delay_s = 0.35  # the harness's GatedEngine: each token stalls
         with MagnClient(str(app.socket), timeout=60) as client:
             completion = client.infer(model="tiny", prompt="Hi", max_tokens=3, temperature=0, stream=True)
             assert completion.usage.completion_tokens == 3
@@ -100,7 +104,7 @@ def test_stalled_generation_sends_heartbeats(model_dir: Path) -> None:
 
 def test_cancel_stops_generation_at_the_next_token(model_dir: Path) -> None:
     with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
-        app.daemon.engine.token_delay_s = 0.05
+        app.engine.delay_s = 0.05
         peer = RawPeer(app.socket)
         peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "tiny", "prompt": "Hi",
                    "max_tokens": 400, "temperature": 0, "stream": True})
@@ -121,7 +125,7 @@ def test_client_disconnect_mid_stream_cancels_its_generation(model_dir: Path) ->
     with running({"tiny": {"path": str(model_dir / "tiny.gguf"), "vram_bytes": "1GiB"}},
                  model_dirs=[model_dir]) as app:
         daemon = app.daemon
-        daemon.engine.token_delay_s = 0.05
+        app.engine.delay_s = 0.05
         peer = RawPeer(app.socket)
         peer.send({"type": "TASK_START", "task_id": "s", "session_id": "agent-x", "model": "tiny"})
         assert isinstance(peer.read(), m.TaskStart)
@@ -266,7 +270,7 @@ def test_debug_logging_shows_each_frame_header_and_payload(model_dir: Path, capl
 
 def test_stopping_ends_running_tasks_with_shutting_down(model_dir: Path) -> None:
     with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
-        app.daemon.engine.token_delay_s = 0.05
+        app.engine.delay_s = 0.05
         peer = RawPeer(app.socket)
         peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "tiny", "prompt": "Hi",
                    "max_tokens": 400, "stream": True})
@@ -285,3 +289,133 @@ def test_stopping_ends_running_tasks_with_shutting_down(model_dir: Path) -> None
         assert not app.socket.exists()
         peer.close()
         line.close()
+
+
+# --- the conversation rules, as the server applies them -----------------------------------------------------------
+
+
+def test_conversation_rules_on_the_server(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        peer = RawPeer(app.socket)
+        peer.send({"type": "CANCEL", "task_id": "nobody"})  # a late CANCEL: ignored, nothing answers it
+        peer.send({"type": "HEARTBEAT", "task_id": "h"})  # a server-only type
+        err = peer.read()
+        assert isinstance(err, m.ErrorMessage) and err.task_id == "h" and err.error.code == "BAD_PAYLOAD"
+        assert err.error.message == "HEARTBEAT is sent by the server, not to it"
+        request = {"type": "INFER_REQUEST", "task_id": "d", "model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                   "temperature": 0}
+        peer.send(request)
+        peer.send(request)  # the same task_id while the first is in flight
+        got = peer.read_until_end("d")
+        refusal = got[-1]
+        assert isinstance(refusal, m.ErrorMessage) and refusal.error.code == "BAD_REQUEST"
+        assert refusal.error.message == "task_id already in flight on this connection"
+        assert isinstance(peer.read_until_end("d")[-1], m.TaskComplete)  # the first one still completes
+        peer.send({"type": "CANCEL", "task_id": "d"})  # it ended: this CANCEL is late
+        peer.send({"type": "PROTOCOL_INFO"})
+        assert isinstance(peer.read(), m.ProtocolInfo)
+        peer.close()
+
+
+def test_the_session_reads_its_settings_from_the_current_config(model_dir: Path) -> None:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
+                 max_frame_bytes=4096) as app:
+        peer = RawPeer(app.socket)
+        peer.send({"type": "PROTOCOL_INFO"})
+        assert peer.read().max_frame_bytes == 4096
+        app.daemon.config = app.daemon.config.with_overrides(max_frame_bytes=1 << 20)  # a hot reload
+        peer.send({"type": "PROTOCOL_INFO", "padding": "x" * 6000})  # over the old limit: read, then refused
+        err = peer.read()
+        assert isinstance(err, m.ErrorMessage) and err.error.code == "BAD_PAYLOAD"
+        peer.send({"type": "PROTOCOL_INFO"})
+        assert peer.read().max_frame_bytes == 1 << 20
+        peer.close()
+
+
+# --- the token pump and the outcome of a generation -------------------------------------------------------------------
+
+
+def token(i: int) -> Token:
+    return Token(i, f"w{i}", i, 1.0)
+
+
+def test_the_pump_delivers_tokens_from_another_thread_in_batches_and_all_before_finish() -> None:
+    async def main() -> list[list[int]]:
+        batches: list[list[int]] = []
+
+        def sink(got: list[Token]) -> bool:
+            batches.append([t.id for t in got])
+            return True
+
+        cancel = threading.Event()
+        pump = TokenPump(asyncio.get_running_loop(), sink, cancel=cancel)
+        with pump:
+            producer = threading.Thread(target=lambda: [pump.on_token(token(i)) for i in range(500)])
+            producer.start()
+            await asyncio.to_thread(producer.join)
+        pump.on_token(token(999))  # after finish: dropped
+        await asyncio.sleep(0.01)
+        assert not cancel.is_set() and pump.delivered == 500
+        return batches
+
+    batches = asyncio.run(main())
+    assert [i for batch in batches for i in batch] == list(range(500))
+
+
+def test_the_pump_cancels_the_generation_once_the_sink_is_gone() -> None:
+    async def main() -> tuple[list[int], threading.Event]:
+        seen: list[int] = []
+
+        def sink(got: list[Token]) -> bool:
+            seen.extend(t.id for t in got)
+            return False
+
+        cancel = threading.Event()
+        with TokenPump(asyncio.get_running_loop(), sink, cancel=cancel) as pump:
+            pump.on_token(token(1))
+            await asyncio.sleep(0.01)
+            pump.on_token(token(2))
+            await asyncio.sleep(0.01)
+        return seen, cancel
+
+    seen, cancel = asyncio.run(main())
+    assert seen == [1] and cancel.is_set()
+
+
+def test_the_pump_beats_when_tokens_stall_and_reads_the_interval_each_time() -> None:
+    async def main() -> list[float]:
+        beats: list[float] = []
+        interval = [0.05]
+        loop = asyncio.get_running_loop()
+        with TokenPump(loop, lambda got: True, cancel=threading.Event(), heartbeat=lambda: beats.append(loop.time()),
+                       heartbeat_interval_s=lambda: interval[0]):
+            await asyncio.sleep(0.18)  # about 3 beats
+            interval[0] = 10.0  # a reloaded config: no more beats soon
+            count = len(beats)
+            await asyncio.sleep(0.2)
+            assert len(beats) <= count + 1
+        await asyncio.sleep(0.1)  # finished: the timer is gone
+        return beats
+
+    beats = asyncio.run(main())
+    assert 1 <= len(beats) <= 5
+
+
+@pytest.mark.parametrize(("stop_reason", "closing", "code"), [
+    ("cancelled", False, "CANCELLED"), ("cancelled", True, "SHUTTING_DOWN"), ("eos", True, None),
+    ("length", False, None)])
+def test_a_cancelled_generation_is_cancelled_or_shutting_down(stop_reason: str, closing: bool,
+                                                              code: str | None) -> None:
+    generation = Generation("ab", (1, 2), 3, stop_reason, 0.1, 0.01)  # type: ignore[arg-type]
+    error = cancelled_error(generation, closing=closing)
+    if code is None:
+        assert error is None
+    else:
+        assert error is not None and error.code == code and error.details == {"completion_tokens": 2}
+
+
+def test_error_of_keeps_appliance_errors_and_wraps_the_rest() -> None:
+    known = ApplianceError("UNKNOWN_MODEL")
+    assert error_of(known) is known
+    wrapped = error_of(KeyError("x"))
+    assert wrapped.code == "INTERNAL" and "KeyError" in wrapped.message

@@ -48,7 +48,7 @@ VALID: dict[str, dict[str, Any]] = {
                      "timestamp": 1700000000.5, "logprob": -0.25},
     "HEARTBEAT": {"type": "HEARTBEAT", "task_id": "t2", "timestamp": 1700000001.0},
     "TASK_COMPLETE": {"type": "TASK_COMPLETE", "task_id": "t2", "text": "hello world",
-                      "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "stop_reason": "stop",
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "stop_reason": "tool_call",
                       "timings": {"ttft_ms": 12.5, "elapsed_ms": 40.0},
                       "tool_call": {"name": "search", "arguments": {"q": "x"}}, "stats": {"plan": "S", "threads": 4}},
     "CANCEL": {"type": "CANCEL", "task_id": "t2"},
@@ -233,6 +233,57 @@ def test_building_an_invalid_message_locally_raises_local_protocol_error() -> No
         TaskStart("t", "s", "m", tools={"bad": float("inf")})
 
 
+def test_stop_reasons_are_the_documented_three() -> None:
+    assert STOP_REASONS == ("stop", "length", "tool_call")
+
+
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_task_complete_without_a_tool_call_for_other_stop_reasons(stop_reason: str) -> None:
+    done = parse_message(with_("TASK_COMPLETE", stop_reason=stop_reason, tool_call=None))
+    assert isinstance(done, TaskComplete) and done.tool_call is None and done.stop_reason == stop_reason
+    assert parse_message(with_("TASK_COMPLETE", stop_reason=stop_reason, tool_call=...)) == done
+
+
+def test_task_complete_tool_call_stop_carries_its_tool_call() -> None:
+    done = parse_message(VALID["TASK_COMPLETE"])
+    assert isinstance(done, TaskComplete) and done.stop_reason == "tool_call"
+    assert done.tool_call == ToolCall("search", {"q": "x"})
+    usage = Usage(1, 1)
+    assert TaskComplete("t", "", usage, "tool_call", tool_call=ToolCall("f")).tool_call == ToolCall("f", {})
+
+
+def test_task_complete_tool_call_stop_without_tool_call_is_refused_locally() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        TaskComplete("t", "x", Usage(1, 1), "tool_call")
+    assert info.value.code == "BAD_PAYLOAD"
+    assert info.value.error.details == {"field": "tool_call", "reason": "required when stop_reason is 'tool_call'"}
+
+
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_task_complete_tool_call_with_another_stop_reason_is_refused_locally(stop_reason: str) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        TaskComplete("t", "x", Usage(1, 1), stop_reason, tool_call=ToolCall("search"))
+    assert info.value.code == "BAD_PAYLOAD"
+    assert info.value.error.details == {"field": "tool_call",
+                                        "reason": "only allowed when stop_reason is 'tool_call'"}
+
+
+@pytest.mark.parametrize("changes", [{"tool_call": None}, {"tool_call": ...}], ids=["null", "absent"])
+def test_task_complete_tool_call_stop_without_tool_call_is_refused_from_the_peer(changes: dict[str, Any]) -> None:
+    error = refusal(with_("TASK_COMPLETE", **changes))
+    assert error.error.details == {"field": "tool_call", "reason": "required when stop_reason is 'tool_call'",
+                                   "type": "TASK_COMPLETE"}
+    assert error.task_id == "t2" and "tool_call" in str(error)
+
+
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_task_complete_tool_call_with_another_stop_reason_is_refused_from_the_peer(stop_reason: str) -> None:
+    error = refusal(with_("TASK_COMPLETE", stop_reason=stop_reason))
+    assert error.error.details == {"field": "tool_call", "reason": "only allowed when stop_reason is 'tool_call'",
+                                   "type": "TASK_COMPLETE"}
+    assert error.task_id == "t2"
+
+
 # --- round trips ----------------------------------------------------------------------------------------------------
 
 IDS = st.text(min_size=1, max_size=12)
@@ -241,6 +292,7 @@ SCALAR = st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(allow_
 JSON_OBJ = st.dictionaries(TEXT, st.recursive(SCALAR, lambda k: st.lists(k, max_size=3), max_leaves=5), max_size=3)
 NUM = st.floats(0, 1e9, allow_nan=False)
 CHAT = st.builds(ChatMessage, st.sampled_from(ROLES), TEXT)
+USAGE = st.builds(Usage, st.integers(0, 10**6), st.integers(0, 10**6))
 INFER = st.builds(
     InferRequest, IDS, model=st.none() | IDS, session_id=IDS, prompt=TEXT,
     max_tokens=st.integers(1, MAX_TOKENS_LIMIT), temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True),
@@ -253,9 +305,10 @@ MESSAGES = st.one_of(
     st.builds(StreamToken, IDS, TEXT, st.integers(0, 2**31 - 1), NUM,
               logprob=st.none() | st.floats(max_value=0, allow_nan=False, allow_infinity=False)),
     st.builds(Heartbeat, IDS, st.none() | NUM),
-    st.builds(TaskComplete, IDS, TEXT, st.builds(Usage, st.integers(0, 10**6), st.integers(0, 10**6)),
-              st.sampled_from(STOP_REASONS), timings=st.dictionaries(TEXT, NUM, max_size=3),
-              tool_call=st.none() | st.builds(ToolCall, IDS, JSON_OBJ), stats=JSON_OBJ),
+    st.builds(TaskComplete, IDS, TEXT, USAGE, st.sampled_from(["stop", "length"]),
+              timings=st.dictionaries(TEXT, NUM, max_size=3), stats=JSON_OBJ),
+    st.builds(TaskComplete, IDS, TEXT, USAGE, st.just("tool_call"), timings=st.dictionaries(TEXT, NUM, max_size=3),
+              tool_call=st.builds(ToolCall, IDS, JSON_OBJ), stats=JSON_OBJ),
     st.builds(Cancel, IDS),
     st.just(ProtocolInfoRequest()),
     st.builds(ProtocolInfo, st.just(1), st.just((1,)), IDS, st.integers(0, 2**32 - 1), IDS, IDS),

@@ -5,8 +5,8 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from appliance.errors import ApplianceError
 from appliance.engine.tinymodel import BOS_ID, SPACE, build_vocabulary, default_ff, write_tiny_model
+from appliance.errors import ApplianceError
 
 MB = 1_000_000
 

@@ -5,9 +5,11 @@ Each received message goes to the queue of its ``task_id``, so streams may inter
 ``AsyncMagnClient`` a reader task routes them (and calls may run concurrently); in ``MagnClient`` the call that waits
 reads the socket itself, and what arrives meanwhile for other tasks in flight waits in their queues. A task's ERROR
 raises its :class:`~appliance.errors.ApplianceError` in the call that waits for it; HEARTBEATs are only counted
-(``client.heartbeats``). An ERROR with a null ``task_id``, a protocol error in what the server sent, or the end of the
-connection fails every waiting and later call with that error (what was received before it is still delivered).
-Messages for tasks nobody waits for (finished, or whose stream was closed) are dropped. Cancelling the coroutine that
+(``client.heartbeats``). An ERROR with a null ``task_id``, a protocol error in what the server sent that is not about
+one task (a broken framing, say), or the end of the connection fails every waiting and later call with that error
+(what was received before it is still delivered); a non-fatal protocol error about one task (a message that breaks
+the conversation rules of :mod:`appliance.protocol.connection`) is raised to that task's waiter only. Messages for
+tasks nobody waits for (finished, or whose stream was closed) are dropped. Cancelling the coroutine that
 waits for a task, a ``MagnClient`` call running past its ``timeout`` (``TimeoutError``), or closing a stream early
 sends CANCEL. ``infer``/``stream`` take ``InferRequest`` fields.
 """
@@ -19,9 +21,9 @@ import contextlib
 import socket
 from typing import Any
 
+from appliance.client.blocking import Completion, MagnClient, TokenStream, _ClientCore, _expect, _Stream
 from appliance.protocol import messages as m
-from appliance.protocol.frames import CLOSED, DEFAULT_MAX_FRAME_BYTES, Frame, FrameParser
-from appliance.client.blocking import Completion, MagnClient, TokenStream, _Connection, _expect, _Stream
+from appliance.protocol.frames import DEFAULT_MAX_FRAME_BYTES, RemoteProtocolError
 
 __all__ = ["AsyncMagnClient", "AsyncTokenStream", "Completion", "MagnClient", "TokenStream"]
 
@@ -38,28 +40,39 @@ class AsyncTokenStream(_Stream):
         if self._done:
             raise StopAsyncIteration
         try:
-            msg = await self._client._next(self.task_id)
+            message = await self._client._next(self.task_id)
         except asyncio.CancelledError:  # the caller gave up: stop the generation too
             self.close()
             raise
-        if (token := self._take(msg)) is None:
+        except RemoteProtocolError as exc:
+            self._abandon_if_refused(exc)
+            raise
+        token = self._take(message)
+        if token is None:
             raise StopAsyncIteration
         return token
 
 
-class AsyncMagnClient(_Connection):
-    """asyncio MAGN client: ``async with AsyncMagnClient(path) as client: ...``."""
+class AsyncMagnClient(_ClientCore):
+    """asyncio MAGN client: ``async with AsyncMagnClient(path) as client: ...``; calls may run concurrently.
 
-    _Queue = asyncio.Queue
+    It owns, on top of what :class:`~appliance.client.blocking._ClientCore` owns, its non-blocking socket, the outbox
+    of frames to write, and two tasks: a reader (it feeds what it reads to the routing) and a writer (it drains the
+    outbox), both ended by :meth:`close`.
+    """
 
     def __init__(self, path: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         super().__init__(path, max_frame_bytes)
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._sock: socket.socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # [reader, writer] once connected
+
+    def _new_queue(self) -> asyncio.Queue[Any]:
+        return asyncio.Queue()
 
     async def connect(self) -> AsyncMagnClient:
-        loop, sock = asyncio.get_running_loop(), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, self.path)
@@ -67,7 +80,9 @@ class AsyncMagnClient(_Connection):
             sock.close()
             raise
         self._sock = sock
-        self._tasks = [asyncio.create_task(loop_(loop, sock)) for loop_ in (self._read_loop, self._write_loop)]
+        reader = asyncio.create_task(self._read_loop(loop, sock))
+        writer = asyncio.create_task(self._write_loop(loop, sock))
+        self._tasks = [reader, writer]
         return self
 
     async def __aenter__(self) -> AsyncMagnClient:
@@ -86,14 +101,9 @@ class AsyncMagnClient(_Connection):
             self._sock.close()
 
     async def _read_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        parser = FrameParser(self.max_frame_bytes)
         try:
             while True:
-                parser.receive_data(await loop.sock_recv(sock, 65536))
-                while isinstance(event := parser.next_event(), Frame):
-                    self._route(m.parse_message(event.payload))
-                if event is CLOSED:
-                    raise ConnectionError("the server closed the connection")
+                self._feed(await loop.sock_recv(sock, 65536))
         except Exception as exc:  # ApplianceError, ProtocolError, OSError: whatever it is, the waiters get it
             self._fail(exc)
 
@@ -106,7 +116,8 @@ class AsyncMagnClient(_Connection):
             await asyncio.wait(self._tasks[:1], timeout=1)
             self._fail(ConnectionError(f"send failed: {exc}"))
 
-    async def _flush(self) -> None:  # wait (a second at most) until all queued is written, unless the writer died
+    async def _flush(self) -> None:
+        """Wait (a second at most) until everything queued is written, unless the writer died."""
         if self._tasks and not self._tasks[1].done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox.join(), 1)

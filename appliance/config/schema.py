@@ -1,9 +1,12 @@
 """Every ``appliance.yaml`` knob (SPEC C1), declared once as data: :data:`SETTINGS` and :data:`SECTIONS`.
 
 :mod:`appliance.config.validate` validates against them; :func:`render_docs` (``docs/configuration.md``, regenerate
-with ``python -m appliance.config.schema > docs/configuration.md``) and :func:`render_help` print them. A
-setting's ``key`` is its path in the file (``data_dir``, ``engine.warmup_runs``, ``models[].n_ctx``); its
-``default`` is spelled as in YAML (``"16MiB"``) and converted like a file value. Pure: no IO.
+with ``python -m appliance.config.schema > docs/configuration.md``) and :func:`render_help` print them.
+
+- A setting's ``key`` is its path in the file (``data_dir``, ``engine.warmup_runs``, ``models[].n_ctx``).
+- Its ``default`` is spelled as in YAML (``"16MiB"``) and converted like a file value.
+
+Pure: no IO.
 """
 
 from __future__ import annotations
@@ -16,23 +19,64 @@ from pathlib import Path
 from typing import Any
 
 DATA_DIR_PREFIX = "{data_dir}"
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
-_UNITS = {"": 1, "b": 1} | {u + s: (1024 if "i" in s else 1000) ** i
-                             for i, u in enumerate("kmgt", 1) for s in ("", "b", "i", "ib")}
+# Size units, lower-cased: K, M, G, T are powers of 1000; Ki, Mi, Gi, Ti powers of 1024; a trailing B is optional.
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "ki": 1024,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+# The binary units format_size spells a size with, largest first.
+_BINARY_UNITS: list[tuple[str, int]] = [
+    ("TiB", 1024**4),
+    ("GiB", 1024**3),
+    ("MiB", 1024**2),
+    ("KiB", 1024),
+]
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _MODE = re.compile(r"(?:0o|0)?([0-7]{3})")
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 
 def show(value: Any, quote: bool = True) -> str:
     """``value`` the way YAML would spell it, for messages (``quote``: strings in quotes) and docs."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(show(v, quote) for v in value) + "]"
-    return repr(value) if isinstance(value, str) and quote else str(value)
+        items = [show(item, quote) for item in value]
+        return "[" + ", ".join(items) + "]"
+    if isinstance(value, str) and quote:
+        return repr(value)
+    return str(value)
+
+
+def _size_match(text: str) -> re.Match[str] | None:
+    """The match of a size string (number, then a known unit), or None."""
+    match = _SIZE.fullmatch(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        return None
+    return match
 
 
 def parse_size(value: int | str) -> int:
@@ -41,67 +85,115 @@ def parse_size(value: int | str) -> int:
     ``"8GiB"``, ``"512 MiB"``, ``"16Ki"``: binary (powers of 1024). ``"2G"``, ``"1.5GB"``, ``"100k"``:
     decimal (powers of 1000). Units are case-insensitive, ``B`` is optional, fractions round down.
     """
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _is_int(value):
         if value < 0:
             raise ValueError(f"must not be negative (got {value})")
         return value
-    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
-    if match is None or match.group(2).lower() not in _UNITS:
+    match = _size_match(value) if isinstance(value, str) else None
+    if match is None:
         raise ValueError(f"must be a number of bytes or a size like '16MiB', '2G' (got {show(value)})")
-    return int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
+    number, unit = match.groups()
+    return int(Fraction(number) * _UNITS[unit.lower()])
 
 
 def format_size(n: int) -> str:
     """The shortest exact binary spelling of ``n`` bytes (``16MiB``), else the plain number."""
-    for unit, mult in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n and n % mult == 0:
-            return f"{n // mult}{unit}"
+    if n == 0:
+        return str(n)
+    for unit, multiple in _BINARY_UNITS:
+        if n % multiple == 0:
+            return f"{n // multiple}{unit}"
     return str(n)
 
 
-def _typed(ok: Callable[[Any], bool], expected: str, cast: Callable[[Any], Any] = lambda v: v) -> Any:
-    """A converter that accepts values passing ``ok`` (then ``cast``s them), else says ``expected``."""
-    def convert(v: Any) -> Any:
-        if not ok(v):
-            raise ValueError(f"must be {expected} (got {show(v)})")
-        return cast(v)
-    return convert
-
-
-def _isint(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _isstr(v: Any) -> bool:
-    return isinstance(v, str) and bool(v.strip())
-
-
-_path = _typed(_isstr, "a path", lambda v: Path(v.strip()).expanduser())
-
-
-def parse_device(v: Any) -> str:
+def parse_device(value: Any) -> str:
     """A device spec, normalised: ``auto``, ``host``, ``nvml:N`` or ``fake:<size>``."""
-    kind, colon, arg = (v.strip() if isinstance(v, str) else "").partition(":")
-    kind, arg = kind.lower(), arg.strip()
+    text = value.strip() if isinstance(value, str) else ""
+    kind, colon, argument = text.partition(":")
+    kind = kind.lower()
+    argument = argument.strip()
     if kind in ("auto", "host") and not colon:
         return kind
-    if kind == "nvml" and arg.isdigit():
-        return f"nvml:{int(arg)}"
-    match = _SIZE.fullmatch(arg)
-    if kind == "fake" and match and match.group(2).lower() in _UNITS and parse_size(arg) > 0:
-        return f"fake:{arg}"
-    raise ValueError(f"must be auto, host, nvml:N or fake:<size> (got {show(v)})")
+    if kind == "nvml" and argument.isdigit():
+        return f"nvml:{int(argument)}"
+    if kind == "fake" and _size_match(argument) is not None and parse_size(argument) > 0:
+        return f"fake:{argument}"
+    raise ValueError(f"must be auto, host, nvml:N or fake:<size> (got {show(value)})")
 
 
-def parse_mode(v: Any) -> int:
+def parse_mode(value: Any) -> int:
     """A socket mode from its YAML text (``"0660"``, ``660``, ``0o660``): owner/group bits only (R4)."""
-    match = _MODE.fullmatch(str(v).strip())
+    match = _MODE.fullmatch(str(value).strip())
     if match is None:
-        raise ValueError(f"must be an octal mode like \"0660\" (got {show(v)})")
+        raise ValueError(f'must be an octal mode like "0660" (got {show(value)})')
     mode = int(match.group(1), 8)
     if mode & 0o007:
-        raise ValueError(f"must not grant access to others: owner/group only (got {show(v)})")
+        raise ValueError(f"must not grant access to others: owner/group only (got {show(value)})")
     return mode
+
+
+# --- value kinds: YAML value -> Python value, or ValueError ----------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_text(value: Any) -> bool:
+    """A string with something besides whitespace."""
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _to_int(value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"must be an integer (got {show(value)})")
+    return value
+
+
+def _to_float(value: Any) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"must be a number (got {show(value)})")
+    return float(value)
+
+
+def _to_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false (got {show(value)})")
+    return value
+
+
+def _to_str(value: Any) -> str:
+    if not _is_text(value):
+        raise ValueError(f"must be a non-empty string (quote it if it looks like a number) (got {show(value)})")
+    return value.strip()
+
+
+def _to_path(value: Any) -> Path:
+    if not _is_text(value):
+        raise ValueError(f"must be a path (got {show(value)})")
+    return Path(value.strip()).expanduser()
+
+
+def _to_paths(value: Any) -> tuple[Path, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of folders (got {show(value)})")
+    paths = []
+    for item in value:
+        paths.append(_to_path(item))
+    return tuple(paths)
+
+
+def _to_vram(value: Any) -> int | None:
+    """``auto`` (None: estimate from the GGUF metadata) or a size."""
+    if value == "auto":
+        return None
+    return parse_size(value)
+
+
+def _to_pair(value: Any) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and _is_int(value[1])):
+        raise ValueError(f"must be a list of two integers (got {show(value)})")
+    return (value[0], value[1])
 
 
 @dataclass(frozen=True)
@@ -114,25 +206,38 @@ class Kind:
     paths: bool = False  # result is Path(s) to resolve against the config folder
 
 
-INT = Kind("integer", _typed(_isint, "an integer"))
-FLOAT = Kind("number", _typed(lambda v: _isint(v) or isinstance(v, float), "a number", float))
-BOOL = Kind("boolean", _typed(lambda v: isinstance(v, bool), "true or false"))
-STR = Kind("string", _typed(_isstr, "a non-empty string (quote it if it looks like a number)", str.strip))
-PATH = Kind("path", _path, paths=True)
-PATHS = Kind("list of paths", _typed(lambda v: isinstance(v, list), "a list of folders",
-                                     lambda v: tuple(map(_path, v))), paths=True)
+INT = Kind("integer", _to_int)
+FLOAT = Kind("number", _to_float)
+BOOL = Kind("boolean", _to_bool)
+STR = Kind("string", _to_str)
+PATH = Kind("path", _to_path, paths=True)
+PATHS = Kind("list of paths", _to_paths, paths=True)
 SIZE = Kind("size", parse_size)
-VRAM = Kind("`auto` or size", lambda v: None if v == "auto" else parse_size(v))
+VRAM = Kind("`auto` or size", _to_vram)
 DEVICE = Kind("device", parse_device)
 MODE = Kind("octal mode", parse_mode, text=True)
-PAIR = Kind("two integers", _typed(lambda v: isinstance(v, list) and len(v) == 2 and all(map(_isint, v)),
-                                   "a list of two integers", tuple))
-REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+PAIR = Kind("two integers", _to_pair)
+
+
+class _Required:
+    """The default of a setting that has none: the file must give it."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+# --- settings and sections -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One knob. ``live``: a change applies to a running daemon (model keys: without reloading it)."""
+    """One knob. ``live``: a change applies to a running daemon (model keys: without reloading it).
+
+    ``check`` is a rule beyond kind, range and choices: it returns why a converted value is refused, or None.
+    """
 
     key: str
     kind: Kind
@@ -158,14 +263,28 @@ class Setting:
     def required(self) -> bool:
         return self.default is REQUIRED
 
+    def spell(self, value: Any) -> str:
+        """A value or bound of this setting in messages and docs: sizes in binary units (``1KiB``)."""
+        if self.kind is SIZE:
+            return format_size(value)
+        return show(value)
+
     def describe(self) -> str:
         """The help text plus its bounds / choices, in one sentence-ish string."""
-        lo, hi = ("" if b is None else (format_size if self.kind is SIZE else show)(b)
-                  for b in (self.minimum, self.maximum))
-        bounds = f"range {lo}..{hi}" if lo and hi else f"≥ {lo}" if lo else f"≤ {hi}" if hi else ""
-        extra = [f"one of: {', '.join(self.choices)}"] * bool(self.choices) + [bounds] * bool(bounds) + [
-            "may be null"] * self.nullable
-        return self.help + (f" ({'; '.join(extra)})" if extra else "")
+        notes = []
+        if self.choices:
+            notes.append(f"one of: {', '.join(self.choices)}")
+        if self.minimum is not None and self.maximum is not None:
+            notes.append(f"range {self.spell(self.minimum)}..{self.spell(self.maximum)}")
+        elif self.minimum is not None:
+            notes.append(f"≥ {self.spell(self.minimum)}")
+        elif self.maximum is not None:
+            notes.append(f"≤ {self.spell(self.maximum)}")
+        if self.nullable:
+            notes.append("may be null")
+        if not notes:
+            return self.help
+        return f"{self.help} ({'; '.join(notes)})"
 
 
 @dataclass(frozen=True)
@@ -179,12 +298,51 @@ class Section:
     optional: bool = False
 
     @property
+    def name(self) -> str:
+        return self.key.rpartition(".")[2]
+
+    @property
+    def section(self) -> str:
+        """The key of the enclosing section (``""`` for the top level)."""
+        return self.key.rpartition(".")[0].removesuffix("[]")
+
+    @property
     def prefix(self) -> str:
         """What this section's settings' keys start with: ``socket.``, ``models[].``."""
-        return self.key + ("[]." if self.many else ".")
+        if self.many:
+            return self.key + "[]."
+        return self.key + "."
 
 
-_LEVELS = ("debug", "info", "warning", "error", "critical")
+def _check_thresholds(value: tuple[int, int]) -> str | None:
+    high, low = value
+    if 0 <= low < high <= 100:
+        return None
+    return "must be two percentages, first above second"
+
+
+def _check_plan_boundaries(value: tuple[int, int]) -> str | None:
+    small, large = value
+    if 1 <= small < large:
+        return None
+    return "must be two token counts, first below second"
+
+
+def _check_model_name(value: str) -> str | None:
+    if MODEL_NAME.fullmatch(value):
+        return None
+    return "must be 1-64 of letters, digits, '_', '.', ':', '-'"
+
+
+def _check_tiny_dim(value: int) -> str | None:
+    if value % 64 == 0:
+        return None
+    if value < 128 and value % 2 == 0:
+        return None
+    return "must be a multiple of 64 (or even and below 128)"
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
 _GEN = "models[].generate_if_missing"
 
@@ -193,106 +351,245 @@ SECTIONS: tuple[Section, ...] = (
     Section("http", "The HTTP server: OpenAI API, health, metrics, admin page."),
     Section("engine", "The adaptive engine (SPEC E)."),
     Section("models", "The configured models; each is served under its name.", many=True),
-    Section(_GEN, "Write a tiny random-weight model to `path` when the file is missing (demo and tests; "
-            "done by `appliance run`).", optional=True),
+    Section(
+        _GEN,
+        "Write a tiny random-weight model to `path` when the file is missing (demo and tests; "
+        "done by `appliance run`).",
+        optional=True,
+    ),
 )
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("data_dir", PATH, "./data", "State folder: registry file, results, generated demo models. Relative "
-            f"paths resolve against the config file's folder; `{DATA_DIR_PREFIX}/…` against this.", live=False),
-    Setting("device", DEVICE, "auto", "Memory device: `auto`, `host`, `nvml:N`, or `fake:<size>` for tests "
-            "(`fake:8GiB`).", live=False),
-    Setting("admission_percent", FLOAT, 90, "Ledger cap as a percentage of the device's total memory.", 1, 100),
-    Setting("resync_interval_s", FLOAT, 30, "Seconds between periodic device re-reads; 0 = off.", 0, 86400),
-    Setting("model_dirs", PATHS, [f"{DATA_DIR_PREFIX}/models"], "Folders a REGISTER may name a GGUF path in; "
-            "configured models may live anywhere."),
-    Setting("max_connections", INT, 128, "Concurrent client connections, all surfaces together.", 1, 65536),
-    Setting("max_frame_bytes", SIZE, "16MiB", "Largest MAGN frame payload; longer ones are refused unread.",
-            1024, 1024**3),
-    Setting("heartbeat_interval_s", FLOAT, 2.0, "HEARTBEAT after this many seconds without a token.", 0.1, 3600),
-    Setting("log_level", STR, "info", "Log verbosity.", choices=_LEVELS),
+    # top level
+    Setting(
+        "data_dir", PATH, "./data",
+        "State folder: registry file, results, generated demo models. Relative paths resolve against the config "
+        f"file's folder; `{DATA_DIR_PREFIX}/…` against this.",
+        live=False,
+    ),
+    Setting(
+        "device", DEVICE, "auto",
+        "Memory device: `auto`, `host`, `nvml:N`, or `fake:<size>` for tests (`fake:8GiB`).",
+        live=False,
+    ),
+    Setting(
+        "admission_percent", FLOAT, 90,
+        "Ledger cap as a percentage of the device's total memory.",
+        minimum=1, maximum=100,
+    ),
+    Setting(
+        "resync_interval_s", FLOAT, 30,
+        "Seconds between periodic device re-reads; 0 = off.",
+        minimum=0, maximum=86400,
+    ),
+    Setting(
+        "model_dirs", PATHS, [f"{DATA_DIR_PREFIX}/models"],
+        "Folders a REGISTER may name a GGUF path in; configured models may live anywhere.",
+    ),
+    Setting(
+        "max_connections", INT, 128,
+        "Concurrent client connections, all surfaces together.",
+        minimum=1, maximum=65536,
+    ),
+    Setting(
+        "max_frame_bytes", SIZE, "16MiB",
+        "Largest MAGN frame payload; longer ones are refused unread.",
+        minimum=1024, maximum=1024**3,
+    ),
+    Setting(
+        "heartbeat_interval_s", FLOAT, 2.0,
+        "HEARTBEAT after this many seconds without a token.",
+        minimum=0.1, maximum=3600,
+    ),
+    Setting("log_level", STR, "info", "Log verbosity.", choices=_LOG_LEVELS),
+    # socket
     Setting("socket.path", PATH, f"{DATA_DIR_PREFIX}/appliance.sock", "Socket file path.", live=False),
     Setting("socket.mode", MODE, "0660", "Socket permissions (quote it); no bits for others.", live=False),
-    Setting("socket.group", STR, None, "Group to own the socket; null = the daemon's group.", nullable=True,
-            live=False),
-    Setting("http.host", STR, "127.0.0.1", "Address to bind; a non-loopback one needs http.api_token.", live=False),
-    Setting("http.port", INT, 8080, "TCP port; 0 = any free port.", 0, 65535, live=False),
-    Setting("http.api_token", STR, None, "Bearer token HTTP requests must carry; null = none (loopback only).",
-            nullable=True),
-    Setting("engine.adaptive_window_size", INT, 64, "Requests in the profiler's sliding window.", 1, 100000),
-    Setting("engine.adaptive_sample_rate", INT, 4, "Profile every N-th request.", 1, 10000),
-    Setting("engine.hot_pool_slack", FLOAT, 1.2, "Hot KV pool size as a multiple of the observed peak.", 1.0, 10.0),
+    Setting(
+        "socket.group", STR, None,
+        "Group to own the socket; null = the daemon's group.",
+        nullable=True, live=False,
+    ),
+    # http
+    Setting(
+        "http.host", STR, "127.0.0.1",
+        "Address to bind; a non-loopback one needs http.api_token.",
+        live=False,
+    ),
+    Setting("http.port", INT, 8080, "TCP port; 0 = any free port.", minimum=0, maximum=65535, live=False),
+    Setting(
+        "http.api_token", STR, None,
+        "Bearer token HTTP requests must carry; null = none (loopback only).",
+        nullable=True,
+    ),
+    # engine
+    Setting(
+        "engine.adaptive_window_size", INT, 64,
+        "Requests in the profiler's sliding window.",
+        minimum=1, maximum=100000,
+    ),
+    Setting(
+        "engine.adaptive_sample_rate", INT, 4,
+        "Profile every N-th request.",
+        minimum=1, maximum=10000,
+    ),
+    Setting(
+        "engine.hot_pool_slack", FLOAT, 1.2,
+        "Hot KV pool size as a multiple of the observed peak.",
+        minimum=1.0, maximum=10.0,
+    ),
     Setting("engine.async_switch", BOOL, True, "Switch plans off the request path."),
-    Setting("engine.thread_idle_thresholds", PAIR, [60, 30], "CPU idle % bands: above the first -> 4 threads, "
-            "between -> 3, below the second -> 2.",
-            check=lambda v: None if 0 <= v[1] < v[0] <= 100 else "must be two percentages, first above second"),
-    Setting("engine.warmup_runs", INT, 8, "Requests profiled before the first plan change.", 0, 100000),
-    Setting("engine.plan_boundaries", PAIR, [128, 512], "P90 input tokens separating plans S/M/L.",
-            check=lambda v: None if 1 <= v[0] < v[1] else "must be two token counts, first below second"),
-    Setting("engine.threads", INT, 0, "Fixed thread count; 0 = choose automatically.", 0, 1024),
-    Setting("models[].name", STR, REQUIRED, "Model name used by clients.", check=lambda v: None
-            if MODEL_NAME.fullmatch(v) else "must be 1-64 of letters, digits, '_', '.', ':', '-'"),
-    Setting("models[].path", PATH, REQUIRED, "GGUF file; must exist unless generate_if_missing is set.", live=False),
-    Setting("models[].vram_bytes", VRAM, "auto", "Ledger estimate: `auto` (from GGUF metadata) or the operator's "
-            "figure.", live=False),
-    Setting("models[].n_ctx", INT, 2048, "Context size in tokens.", 16, 1 << 20, live=False),
-    Setting("models[].n_gpu_layers", INT, 0, "Layers offloaded to the GPU; -1 = all.", -1, 100000, live=False),
-    Setting("models[].idle_ttl_s", FLOAT, 1800, "Unload after this many idle seconds; 0 = never.", 0),
-    Setting("models[].cache_type", STR, "f16", "KV cache element type.", choices=_CACHE_TYPES, live=False),
-    Setting(f"{_GEN}.layers", INT, REQUIRED, "Transformer layers.", 1, 64),
-    Setting(f"{_GEN}.dim", INT, REQUIRED, "Embedding width (dim // 64 heads).", 32, 4096, check=lambda v: None
-            if v % 64 == 0 or (v < 128 and v % 2 == 0) else "must be a multiple of 64 (or even and below 128)"),
-    Setting(f"{_GEN}.seed", INT, 0, "Random seed.", 0, 2**32 - 1),
+    Setting(
+        "engine.thread_idle_thresholds", PAIR, [60, 30],
+        "CPU idle % bands: above the first -> 4 threads, between -> 3, below the second -> 2.",
+        check=_check_thresholds,
+    ),
+    Setting(
+        "engine.warmup_runs", INT, 8,
+        "Requests profiled before the first plan change.",
+        minimum=0, maximum=100000,
+    ),
+    Setting(
+        "engine.plan_boundaries", PAIR, [128, 512],
+        "P90 input tokens separating plans S/M/L.",
+        check=_check_plan_boundaries,
+    ),
+    Setting(
+        "engine.threads", INT, 0,
+        "Fixed thread count; 0 = choose automatically.",
+        minimum=0, maximum=1024,
+    ),
+    # models[]
+    Setting("models[].name", STR, REQUIRED, "Model name used by clients.", check=_check_model_name),
+    Setting(
+        "models[].path", PATH, REQUIRED,
+        "GGUF file; must exist unless generate_if_missing is set.",
+        live=False,
+    ),
+    Setting(
+        "models[].vram_bytes", VRAM, "auto",
+        "Ledger estimate: `auto` (from GGUF metadata) or the operator's figure.",
+        live=False,
+    ),
+    Setting(
+        "models[].n_ctx", INT, 2048,
+        "Context size in tokens.",
+        minimum=16, maximum=1 << 20, live=False,
+    ),
+    Setting(
+        "models[].n_gpu_layers", INT, 0,
+        "Layers offloaded to the GPU; -1 = all.",
+        minimum=-1, maximum=100000, live=False,
+    ),
+    Setting(
+        "models[].idle_ttl_s", FLOAT, 1800,
+        "Unload after this many idle seconds; 0 = never.",
+        minimum=0,
+    ),
+    Setting(
+        "models[].cache_type", STR, "f16",
+        "KV cache element type.",
+        choices=_CACHE_TYPES, live=False,
+    ),
+    # models[].generate_if_missing
+    Setting(f"{_GEN}.layers", INT, REQUIRED, "Transformer layers.", minimum=1, maximum=64),
+    Setting(
+        f"{_GEN}.dim", INT, REQUIRED,
+        "Embedding width (dim // 64 heads).",
+        minimum=32, maximum=4096, check=_check_tiny_dim,
+    ),
+    Setting(f"{_GEN}.seed", INT, 0, "Random seed.", minimum=0, maximum=2**32 - 1),
 )
 
-BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
-SECTION_BY_KEY: dict[str, Section] = {s.key: s for s in SECTIONS}
+BY_KEY: dict[str, Setting] = {setting.key: setting for setting in SETTINGS}
+SECTION_BY_KEY: dict[str, Section] = {section.key: section for section in SECTIONS}
 
 
 def members(section: str) -> tuple[dict[str, Setting], dict[str, Section]]:
     """The settings and sub-sections directly inside ``section`` (``""`` = top level), by name."""
-    settings = {s.name: s for s in SETTINGS if s.section == section}
-    subs = {s.key.rpartition(".")[2]: s for s in SECTIONS
-            if s.key.rpartition(".")[0].removesuffix("[]") == section}
-    return settings, subs
+    settings: dict[str, Setting] = {}
+    for setting in SETTINGS:
+        if setting.section == section:
+            settings[setting.name] = setting
+    subsections: dict[str, Section] = {}
+    for sub in SECTIONS:
+        if sub.section == section:
+            subsections[sub.name] = sub
+    return settings, subsections
+
+
+# --- rendering -------------------------------------------------------------------------------------------------------
 
 
 def render_help() -> str:
     """Plain text, one setting per line, for ``--help`` and ``appliance config check``."""
-    width = max(len(s.key) for s in SETTINGS)
-    return "\n".join(f"  {s.key:<{width}}  {s.describe()} "
-                     f"[{'required' if s.required else 'default: ' + show(s.default, False)}]" for s in SETTINGS)
+    width = max(len(setting.key) for setting in SETTINGS)
+    lines = []
+    for setting in SETTINGS:
+        default = "required" if setting.required else "default: " + show(setting.default, quote=False)
+        lines.append(f"  {setting.key:<{width}}  {setting.describe()} [{default}]")
+    return "\n".join(lines)
+
+
+_DOCS_INTRO: list[str] = [
+    "# Configuration reference",
+    "",
+    "<!-- Generated by appliance.config.schema.render_docs(); do not edit: "
+    "python -m appliance.config.schema > docs/configuration.md -->",
+    "",
+    "The appliance reads one YAML file, `appliance.yaml`. Every key may be omitted and takes its default, "
+    "except those marked *required*. Unknown keys, wrong types and out-of-range values are errors, "
+    "reported all at once with their line (`appliance config check FILE`).",
+    "",
+    "- **size**: bytes, or a string like `8GiB`, `512 MiB` (binary: Ki, Mi, Gi, Ti = powers of 1024) or "
+    "`2G`, `1.5GB` (decimal: K, M, G, T = powers of 1000); case-insensitive, fractions round down.",
+    "- **path**: `~` expands; relative paths resolve against the config file's folder; one starting "
+    f"with `{DATA_DIR_PREFIX}/` (quote it in YAML) against `data_dir`.",
+    "- **device**: `auto` (NVML GPU 0 if present, else host), `host` (RAM), `nvml:N`, or `fake:<size>` "
+    "(a simulated device of that size, for tests).",
+    "- **octal mode**: write it quoted, `\"0660\"`; bits for others are refused.",
+    "- **live**: *yes* = a reload applies a change without a restart (model keys: without reloading "
+    "the weights).",
+    "",
+]
+
+
+def _docs_row(setting: Setting) -> str:
+    """The reference table's row for ``setting``."""
+    default = "*required*" if setting.required else f"`{show(setting.default, quote=False)}`"
+    live = "yes" if setting.live else "no"
+    cells = [f"`{setting.key}`", setting.kind.name, default, live, setting.describe()]
+    escaped = [cell.replace("|", "\\|") for cell in cells]
+    return "| " + " | ".join(escaped) + " |"
+
+
+def _docs_group(key: str, title: str, text: str) -> list[str]:
+    """The heading, text and settings table of the section ``key`` (``""``: the top level)."""
+    lines = [f"## {title}", ""]
+    if text:
+        lines += [text, ""]
+    lines.append("| Key | Type | Default | Live | Description |")
+    lines.append("|---|---|---|---|---|")
+    for setting in SETTINGS:
+        if setting.section == key:
+            lines.append(_docs_row(setting))
+    lines.append("")
+    return lines
 
 
 def render_docs() -> str:
     """Markdown reference of every setting (key path, type, default, live, help); the whole of
     ``docs/configuration.md``."""
-    out = ["# Configuration reference", "", "<!-- Generated by appliance.config.schema.render_docs(); do not edit: "
-           "python -m appliance.config.schema > docs/configuration.md -->", "",
-           "The appliance reads one YAML file, `appliance.yaml`. Every key may be omitted and takes its default, "
-           "except those marked *required*. Unknown keys, wrong types and out-of-range values are errors, "
-           "reported all at once with their line (`appliance config check FILE`).", "",
-           "- **size**: bytes, or a string like `8GiB`, `512 MiB` (binary: Ki, Mi, Gi, Ti = powers of 1024) or "
-           "`2G`, `1.5GB` (decimal: K, M, G, T = powers of 1000); case-insensitive, fractions round down.",
-           "- **path**: `~` expands; relative paths resolve against the config file's folder; one starting "
-           f"with `{DATA_DIR_PREFIX}/` (quote it in YAML) against `data_dir`.",
-           "- **device**: `auto` (NVML GPU 0 if present, else host), `host` (RAM), `nvml:N`, or `fake:<size>` "
-           "(a simulated device of that size, for tests).",
-           "- **octal mode**: write it quoted, `\"0660\"`; bits for others are refused.",
-           "- **live**: *yes* = a reload applies a change without a restart (model keys: without reloading "
-           "the weights).", ""]
-    groups = [("", "Top level", "")] + [(s.key, f"`{s.key}`", s.help + (" A list." if s.many else "")
-                                         + (" Optional." if s.optional else "")) for s in SECTIONS]
-    for key, title, text in groups:
-        out += [f"## {title}", ""] + ([text, ""] if text else [])
-        out += ["| Key | Type | Default | Live | Description |", "|---|---|---|---|---|"]
-        for s in SETTINGS:
-            if s.section == key:
-                default = "*required*" if s.required else f"`{show(s.default, quote=False)}`"
-                row = [f"`{s.key}`", s.kind.name, default, "yes" if s.live else "no", s.describe()]
-                out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
-        out.append("")
-    return "\n".join(out)
+    lines = list(_DOCS_INTRO)
+    lines += _docs_group("", "Top level", "")
+    for section in SECTIONS:
+        text = section.help
+        if section.many:
+            text += " A list."
+        if section.optional:
+            text += " Optional."
+        lines += _docs_group(section.key, f"`{section.key}`", text)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The value types of a validated ``appliance.yaml`` (SPEC C1): frozen dataclasses, one per schema section.
 
-Built by :func:`appliance.config.validate.parse_config`; field names are the keys of :mod:`appliance.config.schema`. Pure.
+Built by :func:`appliance.config.validate.parse_config`; field names are the keys of
+:mod:`appliance.config.schema`. Pure.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class Config:
 
     def model(self, name: str) -> ModelConfig | None:
         """The configured model called ``name``, or None."""
-        return next((m for m in self.models if m.name == name), None)
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
 
     def with_overrides(self, **changes: Any) -> Config:
         """A copy with top-level fields replaced (not validated; meant for tests)."""

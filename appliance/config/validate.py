@@ -1,11 +1,14 @@
 """Parse and validate ``appliance.yaml`` (SPEC C1-C2) against the schema in :mod:`appliance.config.schema`.
 
 Pure: :func:`parse_config` takes text and returns a frozen :class:`Config`, or raises :class:`ConfigInvalid`
-with every :class:`Problem` at once, each with its key path and 1-based line (from the YAML node marks). The
-only IO is :func:`load_config` reading the file and the model-file existence check, which ``check_files``
-turns off (False) or replaces (a ``Path -> bool`` callable). The config's dataclasses live in
-:mod:`appliance.config.types` and :func:`diff` (hot reload, C3) in :mod:`appliance.config.diff`; both are
-re-exported here, so ``from appliance.config.validate import Config, diff, ConfigDiff`` keeps working.
+with every :class:`Problem` at once, each with its key path and 1-based line (from the YAML node marks).
+
+The only IO is :func:`load_config` reading the file and the model-file existence check, which ``check_files``
+turns off (False) or replaces (a ``Path -> bool`` callable).
+
+The config's dataclasses live in :mod:`appliance.config.types` and :func:`diff` (hot reload, C3) in
+:mod:`appliance.config.diff`; both are re-exported here, so ``from appliance.config.validate import Config, diff,
+ConfigDiff`` keeps working.
 """
 
 from __future__ import annotations
@@ -24,18 +27,39 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from appliance.config import schema
 from appliance.config.diff import ConfigDiff, diff
+from appliance.config.schema import parse_size, render_docs, show
 from appliance.config.types import Config, EngineConfig, HttpConfig, ModelConfig, SocketConfig, TinySpec
 from appliance.errors import ApplianceError
-from appliance.config.schema import parse_size, render_docs, show
 
-__all__ = ["Config", "ConfigDiff", "ConfigInvalid", "EngineConfig", "HttpConfig", "ModelConfig", "Problem",
-           "SocketConfig", "TinySpec", "default_config", "diff", "load_config", "parse_config", "parse_size",
-           "render_docs"]
+__all__ = [
+    "Config",
+    "ConfigDiff",
+    "ConfigInvalid",
+    "EngineConfig",
+    "HttpConfig",
+    "ModelConfig",
+    "Problem",
+    "SocketConfig",
+    "TinySpec",
+    "default_config",
+    "diff",
+    "load_config",
+    "parse_config",
+    "parse_size",
+    "render_docs",
+]
 
+DEFAULT_FILE = "appliance.yaml"
 
-# The dataclass for each schema section ("" = top level); its field names are the section's keys.
-CLASSES: dict[str, type] = {"": Config, "socket": SocketConfig, "http": HttpConfig, "engine": EngineConfig,
-                            "models": ModelConfig, "models[].generate_if_missing": TinySpec}
+CLASSES: dict[str, type] = {
+    "": Config,
+    "socket": SocketConfig,
+    "http": HttpConfig,
+    "engine": EngineConfig,
+    "models": ModelConfig,
+    "models[].generate_if_missing": TinySpec,
+}
+"""The dataclass for each schema section (``""`` = top level); its field names are the section's keys."""
 
 
 @dataclass(frozen=True)
@@ -45,59 +69,101 @@ class Problem:
     path: str
     line: int | None
     message: str
-    file: str = "appliance.yaml"
+    file: str = DEFAULT_FILE
 
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"
-        return ": ".join([where, *([self.path] if self.path else []), self.message])
+        if self.path:
+            return f"{where}: {self.path}: {self.message}"
+        return f"{where}: {self.message}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "line": self.line, "message": self.message}
+
+
+def _line_order(problem: Problem) -> tuple[bool, int]:
+    """Sort key: by line, problems without a line last."""
+    return (problem.line is None, problem.line or 0)
 
 
 class ConfigInvalid(Exception):
     """The config is not valid; ``problems`` lists everything wrong, by line."""
 
     def __init__(self, problems: list[Problem] | tuple[Problem, ...], source: Path | None = None) -> None:
-        self.problems = tuple(sorted(problems, key=lambda p: (p.line is None, p.line or 0)))
+        self.problems = tuple(sorted(problems, key=_line_order))
         self.source = source
-        super().__init__("\n".join(str(p) for p in self.problems))
+        super().__init__("\n".join(str(problem) for problem in self.problems))
 
     @property
     def error(self) -> ApplianceError:
         """The P4 ``CONFIG_INVALID`` error; details ``{"source", "problems": [{path, line, message}, …]}``."""
-        first = str(self.problems[0]) if self.problems else "invalid"
-        message = first if len(self.problems) <= 1 else f"{len(self.problems)} problems; first: {first}"
-        return ApplianceError("CONFIG_INVALID", message, {"source": None if self.source is None else str(
-            self.source), "problems": [p.to_dict() for p in self.problems]})
+        if not self.problems:
+            message = "invalid"
+        elif len(self.problems) == 1:
+            message = str(self.problems[0])
+        else:
+            message = f"{len(self.problems)} problems; first: {self.problems[0]}"
+        details = {
+            "source": None if self.source is None else str(self.source),
+            "problems": [problem.to_dict() for problem in self.problems],
+        }
+        return ApplianceError("CONFIG_INVALID", message, details)
 
 
-_BAD: Any = type("Bad", (), {"__repr__": lambda self: "BAD"})()  # a value that failed (already reported)
+class _Bad:
+    """The value of a setting or section that failed validation (its problem is already reported)."""
+
+    def __repr__(self) -> str:
+        return "BAD"
+
+
+_BAD: Any = _Bad()
 
 
 def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null"
 
 
-def _violation(s: schema.Setting, v: Any, raw: Any) -> str | None:
-    """Why ``v`` (converted from ``raw``) breaks ``s``'s choices, range or check, or None."""
-    fmt = schema.format_size if s.kind is schema.SIZE else show
-    got = f"(got {fmt(v) if s.kind is schema.SIZE else show(raw)})"
-    if s.choices and v not in s.choices:
-        return f"must be one of {', '.join(s.choices)} {got}"
-    if isinstance(v, int | float) and s.minimum is not None and v < s.minimum:
-        return f"must be ≥ {fmt(s.minimum)} {got}"
-    if isinstance(v, int | float) and s.maximum is not None and v > s.maximum:
-        return f"must be ≤ {fmt(s.maximum)} {got}"
-    why = s.check(v) if s.check else None
-    return None if why is None else f"{why} {got}"
+def _line(node: Node) -> int:
+    """The 1-based line where ``node`` starts."""
+    return node.start_mark.line + 1
+
+
+def _join(path: str, name: str) -> str:
+    """The key path of ``name`` inside ``path`` (``""``: the top level)."""
+    if path:
+        return f"{path}.{name}"
+    return name
+
+
+def _violation(setting: schema.Setting, value: Any, raw: Any) -> str | None:
+    """Why ``value`` (converted from ``raw``) breaks ``setting``'s choices, range or check, or None."""
+    shown = setting.spell(value) if setting.kind is schema.SIZE else show(raw)  # a size as bytes, in binary units
+    got = f"(got {shown})"
+    if setting.choices and value not in setting.choices:
+        return f"must be one of {', '.join(setting.choices)} {got}"
+    if isinstance(value, int | float):
+        if setting.minimum is not None and value < setting.minimum:
+            return f"must be ≥ {setting.spell(setting.minimum)} {got}"
+        if setting.maximum is not None and value > setting.maximum:
+            return f"must be ≤ {setting.spell(setting.maximum)} {got}"
+    if setting.check is None:
+        return None
+    why = setting.check(value)
+    if why is None:
+        return None
+    return f"{why} {got}"
 
 
 def _unknown(key: str, names: list[str]) -> str:
+    """The problem of an unknown ``key`` in a section whose known keys are ``names``, with a hint."""
     close = difflib.get_close_matches(key.lower(), names, n=1, cutoff=0.6)
-    elsewhere = [s.key for s in (*schema.SETTINGS, *schema.SECTIONS) if s.key.rpartition(".")[2] == key]
-    hint = f" (did you mean '{close[0]}'?)" if close else f" (it belongs at '{elsewhere[0]}')" if elsewhere else ""
-    return f"unknown key '{key}'{hint}"
+    if close:
+        return f"unknown key '{key}' (did you mean '{close[0]}'?)"
+    for known in (*schema.SETTINGS, *schema.SECTIONS):
+        if known.name == key:
+            return f"unknown key '{key}' (it belongs at '{known.key}')"
+    return f"unknown key '{key}'"
 
 
 class _Validator:
@@ -107,165 +173,259 @@ class _Validator:
         self.file = file
         self.problems: list[Problem] = []
         self.lines: dict[str, int] = {}  # key path -> line of its value
-        self._yaml = yaml.SafeLoader("")
+        self._yaml = yaml.SafeLoader("")  # constructs values and resolves merge keys of single nodes
 
     def report(self, path: str, where: Node | int | None, message: str) -> None:
-        line = where.start_mark.line + 1 if isinstance(where, Node) else where
+        """Record a problem at ``path``; ``where`` is its node, its line, or None (no line)."""
+        line = _line(where) if isinstance(where, Node) else where
         self.problems.append(Problem(path, line, message, self.file))
 
     def mapping(self, node: Node | None, section: str, path: str) -> Any:
         """``{key: value}`` for ``section`` from a mapping ``node`` (None: absent, all defaults), or ``_BAD``."""
-        settings, subs = schema.members(section)
-        found: dict[str, tuple[Node, Node]] = {}
-        if node is not None and not isinstance(node, MappingNode):
+        if node is None:
+            found: dict[str, tuple[Node, Node]] = {}
+        elif not isinstance(node, MappingNode):
             self.report(path, node, "must be a mapping of keys to values")
             return _BAD
-        own = {id(k) for k, _ in node.value} if node is not None else set()  # not merged in by "<<"
+        else:
+            found = self._keys(node, section, path)
+            if found is None:
+                return _BAD
+        settings, subsections = schema.members(section)
+        values: dict[str, Any] = {}
+        for name, setting in settings.items():
+            where = _join(path, name)
+            if name in found:
+                value_node = found[name][1]
+                self.lines[where] = _line(value_node)
+                values[name] = self.value(setting, value_node, where)
+            elif setting.required:
+                self.report(where, node, f"required key '{name}' is missing")
+                values[name] = _BAD
+            elif setting.default is None:
+                values[name] = None
+            else:
+                values[name] = setting.kind.convert(setting.default)
+        for name, sub in subsections.items():
+            sub_node = found[name][1] if name in found else None
+            values[name] = self.section(sub, sub_node, _join(path, name))
+        return values
+
+    def _keys(self, node: MappingNode, section: str, path: str) -> dict[str, tuple[Node, Node]] | None:
+        """The known keys of ``node`` (merge keys resolved): name -> (key node, value node), or None if the
+        merge keys are broken. Reports duplicate and unknown keys."""
+        settings, subsections = schema.members(section)
+        own = {id(key_node) for key_node, _ in node.value}  # keys written here, not merged in by "<<"
         try:
-            self._yaml.flatten_mapping(node) if node is not None else None  # resolve "<<" merge keys
+            self._yaml.flatten_mapping(node)  # puts the merged pairs first
         except yaml.YAMLError as exc:
             self.report(path, node, f"bad merge key: {getattr(exc, 'problem', exc)}")
-            return _BAD
-        for knode, vnode in node.value if node is not None else []:
-            key = knode.value if isinstance(knode, ScalarNode) else "?"
-            where = f"{path}.{key}" if path else key
-            if key in found and id(found[key][0]) not in own:  # a key given here overrides a merged one
-                found[key] = (knode, vnode) if id(knode) in own else found[key]
-            elif key in found:
-                self.report(where, knode, f"duplicate key (first at line {found[key][0].start_mark.line + 1})")
-            elif key in settings or key in subs:
-                found[key] = (knode, vnode)
+            return None
+        found: dict[str, tuple[Node, Node]] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, ScalarNode) else "?"
+            where = _join(path, key)
+            if key in found:
+                first_node = found[key][0]
+                if id(first_node) in own:
+                    self.report(where, key_node, f"duplicate key (first at line {_line(first_node)})")
+                elif id(key_node) in own:  # a key given here overrides a merged one
+                    found[key] = (key_node, value_node)
+            elif key in settings or key in subsections:
+                found[key] = (key_node, value_node)
             else:
-                self.report(where, knode, _unknown(key, [*settings, *subs]))
-        out: dict[str, Any] = {}
-        for name, s in settings.items():
-            where = f"{path}.{name}" if path else name
-            if name in found:
-                self.lines[where] = found[name][1].start_mark.line + 1
-                out[name] = self.value(s, found[name][1], where)
-            elif s.required:
-                self.report(where, node, f"required key '{name}' is missing")
-                out[name] = _BAD
-            else:
-                out[name] = None if s.default is None else s.kind.convert(s.default)
-        for name, sub in subs.items():
-            out[name] = self.section(sub, found[name][1] if name in found else None, f"{path}.{name}".strip("."))
-        return out
+                self.report(where, key_node, _unknown(key, [*settings, *subsections]))
+        return found
 
     def section(self, sub: schema.Section, node: Node | None, path: str) -> Any:
+        """The value of the section ``sub``: a mapping's values, a list of them, None (optional, absent)."""
         if node is None or _is_null(node):
-            return None if sub.optional else [] if sub.many else self.mapping(None, sub.key, path)
+            if sub.optional:
+                return None
+            if sub.many:
+                return []
+            return self.mapping(None, sub.key, path)
         if not sub.many:
             return self.mapping(node, sub.key, path)
         if not isinstance(node, SequenceNode):
             self.report(path, node, "must be a list (each item a mapping)")
             return _BAD
-        return [self.mapping(item, sub.key, f"{path}[{i}]") for i, item in enumerate(node.value)]
+        items = []
+        for index, item in enumerate(node.value):
+            items.append(self.mapping(item, sub.key, f"{path}[{index}]"))
+        return items
 
-    def value(self, s: schema.Setting, node: Node, where: str) -> Any:
+    def value(self, setting: schema.Setting, node: Node, where: str) -> Any:
+        """The converted value of ``setting`` from its ``node``, or ``_BAD`` (reported)."""
         try:
-            raw = self._yaml.construct_object(node, deep=True)
-            if raw is None and s.nullable:
-                return None
-            if raw is None:
-                raise ValueError("must not be empty" + ("" if s.required else f" (default: {show(s.default)})"))
-            v = s.kind.convert(node.value if s.kind.text and isinstance(node, ScalarNode) else raw)
-            why = _violation(s, v, raw)
-            if why:
-                raise ValueError(why)
-            return v
-        except (ValueError, yaml.YAMLError) as exc:
-            self.report(where, node, str(exc) if isinstance(exc, ValueError) else f"unreadable value: {exc}")
-            return _BAD
+            return self._convert(setting, node)
+        except ValueError as exc:
+            self.report(where, node, str(exc))
+        except yaml.YAMLError as exc:
+            self.report(where, node, f"unreadable value: {exc}")
+        return _BAD
+
+    def _convert(self, setting: schema.Setting, node: Node) -> Any:
+        raw = self._yaml.construct_object(node, deep=True)
+        if raw is None and setting.nullable:
+            return None
+        if raw is None and setting.required:
+            raise ValueError("must not be empty")
+        if raw is None:
+            raise ValueError(f"must not be empty (default: {show(setting.default)})")
+        if setting.kind.text and isinstance(node, ScalarNode):
+            value = setting.kind.convert(node.value)
+        else:
+            value = setting.kind.convert(raw)
+        why = _violation(setting, value, raw)
+        if why:
+            raise ValueError(why)
+        return value
 
 
-def _resolver(base: Path, data_dir: Path | None) -> Callable[[Path], Path | None]:
+Resolve = Callable[[Path], Path | None]
+
+
+def _resolver(base: Path, data_dir: Path | None) -> Resolve:
     """Absolute normalised paths: ``{data_dir}/…`` against ``data_dir`` (None when unknown), others ``base``."""
-    def resolve(p: Path) -> Path | None:
-        head, _, rest = str(p).partition(os.sep)
-        if head == schema.DATA_DIR_PREFIX:
-            return None if data_dir is None else Path(os.path.normpath(data_dir / rest))
-        return Path(os.path.normpath(base / p))
+
+    def resolve(path: Path) -> Path | None:
+        head, _, rest = str(path).partition(os.sep)
+        if head != schema.DATA_DIR_PREFIX:
+            return Path(os.path.normpath(base / path))
+        if data_dir is None:
+            return None
+        return Path(os.path.normpath(data_dir / rest))
+
     return resolve
 
 
-def _build(cls: type, values: dict[str, Any], prefix: str, resolve: Callable[[Path], Any], **extra: Any) -> Any:
-    """``cls(**values)``, sub-sections built recursively and paths resolved."""
+def _build(cls: type, values: dict[str, Any], prefix: str, resolve: Resolve, **extra: Any) -> Any:
+    """``cls(**values)``, sub-sections built recursively and paths resolved; ``extra`` fields as given."""
     kwargs = dict(extra)
-    for f in dataclasses.fields(cls):
-        if f.name in extra:
+    for declared in dataclasses.fields(cls):
+        if declared.name in extra:
             continue
-        key, v = prefix + f.name, values[f.name]
+        key = prefix + declared.name
+        value = values[declared.name]
         sub = schema.SECTION_BY_KEY.get(key)
         if sub is not None and sub.many:
-            v = tuple(_build(CLASSES[key], item, sub.prefix, resolve) for item in v)
-        elif sub is not None and v is not None:
-            v = _build(CLASSES[key], v, sub.prefix, resolve)
+            value = tuple(_build(CLASSES[key], item, sub.prefix, resolve) for item in value)
+        elif sub is not None and value is not None:
+            value = _build(CLASSES[key], value, sub.prefix, resolve)
         elif sub is None and schema.BY_KEY[key].kind.paths:
-            v = tuple(map(resolve, v)) if isinstance(v, tuple) else resolve(v)
-        kwargs[f.name] = v
+            value = tuple(resolve(path) for path in value) if isinstance(value, tuple) else resolve(value)
+        kwargs[declared.name] = value
     return cls(**kwargs)
 
 
 def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
     try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
-def _cross_checks(v: _Validator, values: dict[str, Any], resolve: Callable[[Path], Path | None],
-                  exists: Callable[[Path], bool] | None) -> None:
-    """Rules spanning keys: unique model names, model files exist, a non-loopback HTTP host needs a token."""
-    first: dict[str, int] = {}
-    for i, m in enumerate(values["models"] if isinstance(values["models"], list) else []):
-        if m is _BAD:
+def _check_models(validator: _Validator, models: Any, resolve: Resolve, exists: Callable[[Path], bool] | None) -> None:
+    """Model names are unique; model files exist (``exists``: None skips it) unless generated when missing."""
+    if not isinstance(models, list):
+        return
+    first: dict[str, int] = {}  # model name -> index of its first model
+    for index, model in enumerate(models):
+        if model is _BAD:
             continue
-        if m["name"] is not _BAD and m["name"] in first:
-            v.report(f"models[{i}].name", v.lines.get(f"models[{i}].name"),
-                     f"duplicate model name '{m['name']}' (first at models[{first[m['name']]}])")
-        first.setdefault(m["name"], i)
-        path = None if m["path"] is _BAD else resolve(m["path"])
-        if exists is not None and path is not None and m["generate_if_missing"] is None and not exists(path):
-            v.report(f"models[{i}].path", v.lines.get(f"models[{i}].path"),
-                     f"no such file: {path} (or set generate_if_missing to create a demo model)")
-    http = values["http"]
-    if http is not _BAD and http["host"] is not _BAD and http["api_token"] is None and not _is_loopback(http["host"]):
-        v.report("http.host", v.lines.get("http.host"), f"binding to '{http['host']}' (not loopback) requires "
-                 "http.api_token")
+        name = model["name"]
+        if name is not _BAD:
+            if name in first:
+                validator.report(f"models[{index}].name", validator.lines.get(f"models[{index}].name"),
+                                 f"duplicate model name '{name}' (first at models[{first[name]}])")
+            first.setdefault(name, index)
+        if exists is None or model["path"] is _BAD or model["generate_if_missing"] is not None:
+            continue
+        path = resolve(model["path"])
+        if path is not None and not exists(path):
+            validator.report(f"models[{index}].path", validator.lines.get(f"models[{index}].path"),
+                             f"no such file: {path} (or set generate_if_missing to create a demo model)")
 
 
-def parse_config(text: str, *, source: Path | None = None, base_dir: Path | None = None,
-                 check_files: bool | Callable[[Path], bool] = True) -> Config:
+def _check_http(validator: _Validator, http: Any) -> None:
+    """A non-loopback HTTP host needs an API token."""
+    if http is _BAD or http["host"] is _BAD:
+        return
+    if http["api_token"] is None and not _is_loopback(http["host"]):
+        validator.report("http.host", validator.lines.get("http.host"),
+                         f"binding to '{http['host']}' (not loopback) requires http.api_token")
+
+
+def _base_folder(source: Path | None, base_dir: Path | None) -> Path:
+    """The absolute folder relative paths resolve against: ``base_dir``, else ``source``'s folder, else ".". """
+    if base_dir is not None:
+        folder = Path(base_dir)
+    elif source is not None:
+        folder = Path(source).parent
+    else:
+        folder = Path(".")
+    return Path(os.path.abspath(folder.expanduser()))
+
+
+def _compose(text: str, file: str, source: Path | None) -> Node | None:
+    """The YAML node tree of ``text``'s top-level mapping (None: empty), or :class:`ConfigInvalid`."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+        detail = " ".join(str(part) for part in parts if part)
+        line = None if mark is None else mark.line + 1
+        problem = Problem("", line, f"YAML syntax error: {detail or exc}", file)
+        raise ConfigInvalid([problem], source) from None
+    if root is None or _is_null(root):
+        return None
+    if not isinstance(root, MappingNode):
+        raise ConfigInvalid([Problem("", _line(root), "the top level must be a mapping of settings", file)], source)
+    return root
+
+
+def parse_config(
+    text: str,
+    *,
+    source: Path | None = None,
+    base_dir: Path | None = None,
+    check_files: bool | Callable[[Path], bool] = True,
+) -> Config:
     """Validate ``text`` and return its :class:`Config`; raise :class:`ConfigInvalid` with all problems.
 
     Relative paths resolve against ``base_dir`` (default: ``source``'s folder, else the current folder).
     ``check_files``: True checks that model files exist (``Path.is_file``), a callable replaces that check,
     False skips it; a model with ``generate_if_missing`` is exempt.
     """
-    file = "appliance.yaml" if source is None else str(source)
-    base = Path(os.path.abspath(Path(base_dir if base_dir is not None else
-                                     Path(source).parent if source is not None else ".").expanduser()))
-    v = _Validator(file)
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        detail = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
-        raise ConfigInvalid([Problem("", None if mark is None else mark.line + 1,
-                                     f"YAML syntax error: {detail or exc}", file)], source) from None
-    if root is not None and not _is_null(root) and not isinstance(root, MappingNode):
-        raise ConfigInvalid([Problem("", root.start_mark.line + 1, "the top level must be a mapping of settings",
-                                     file)], source)
-    values = v.mapping(None if root is None or _is_null(root) else root, "", "")
-    data_dir = None if values["data_dir"] is _BAD else _resolver(base, None)(values["data_dir"])
-    if values["data_dir"] is not _BAD and data_dir is None:
-        v.report("data_dir", v.lines.get("data_dir"), f"cannot be relative to {schema.DATA_DIR_PREFIX} itself")
+    file = DEFAULT_FILE if source is None else str(source)
+    base = _base_folder(source, base_dir)
+    root = _compose(text, file, source)
+    validator = _Validator(file)
+    values = validator.mapping(root, "", "")
+
+    data_dir = None
+    if values["data_dir"] is not _BAD:
+        data_dir = _resolver(base, None)(values["data_dir"])
+        if data_dir is None:
+            validator.report("data_dir", validator.lines.get("data_dir"),
+                             f"cannot be relative to {schema.DATA_DIR_PREFIX} itself")
     resolve = _resolver(base, data_dir)
-    exists = (check_files if callable(check_files) else Path.is_file) if check_files else None
-    _cross_checks(v, values, resolve, exists)
-    if v.problems:
-        raise ConfigInvalid(v.problems, source)
+
+    if callable(check_files):
+        exists = check_files
+    elif check_files:
+        exists = Path.is_file
+    else:
+        exists = None
+    _check_models(validator, values["models"], resolve, exists)
+    _check_http(validator, values["http"])
+
+    if validator.problems:
+        raise ConfigInvalid(validator.problems, source)
     return _build(Config, values, "", resolve, source=source, base_dir=base)
 
 

@@ -2,8 +2,13 @@
 agent slots with KV swap, idle unloading and device resync (SPEC L1–L7, R2, R3, R4).
 
 Model memory is admitted by the :class:`~appliance.daemon.ledger.Ledger` before anything is loaded. Each loaded
-model has one live context (one :class:`~appliance.engine.runtime.Runtime`): the agents on that model take turns in
-it, and a suspended agent's KV state waits in host RAM. Agents on different models never evict each other.
+model has one live context (one :class:`~appliance.engine.interface.RuntimeProtocol`, a llama.cpp
+:class:`~appliance.engine.runtime.Runtime` in production): the agents on that model take turns in it, and a
+suspended agent's KV state waits in host RAM. Agents on different models never evict each other.
+
+The daemon only knows the engine through :class:`~appliance.engine.interface.EngineProtocol` and time through its
+``clock``: tests run it on :class:`appliance.engine.fake.FakeEngine` and a :class:`~appliance.engine.fake.ManualClock`
+without a model and without sleeping (tests/test_daemon_core.py).
 """
 
 from __future__ import annotations
@@ -16,16 +21,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from appliance.engine import gguf_meta
-from appliance.daemon import policy
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
+from appliance.daemon import policy
 from appliance.daemon.devices import DeviceReading, MemoryDevice
-from appliance.engine.runtime import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
-from appliance.errors import ApplianceError
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
+from appliance.engine import gguf_meta
+from appliance.engine.interface import (
+    GREEDY,
+    Conversation,
+    EngineProtocol,
+    Generation,
+    RuntimeProtocol,
+    Sampling,
+    Token,
+)
+from appliance.errors import ApplianceError
+
+ModelState = Literal["available", "loading", "loaded", "unloading"]
+"""A model's lifecycle, as health, the registry file and STATUS show it: ``available`` (not in memory) ->
+``loading`` (estimate, reserve, load; back to ``available`` on failure) -> ``loaded`` -> ``unloading`` (its
+runtime is being closed) -> ``available``. Only :meth:`Daemon.acquire` and :meth:`Daemon.unload` change it,
+under the model's lock."""
 
 
 @dataclass(eq=False)
@@ -33,7 +52,8 @@ class Model:
     spec: ModelConfig
     estimate: int | None = None
     measured: int | None = None
-    runtime: Runtime | None = None
+    runtime: RuntimeProtocol | None = None
+    state: ModelState = "available"
     refcount: int = 0
     inflight: int = 0
     last_used: float = 0.0
@@ -49,7 +69,7 @@ class Model:
         return self.spec.path
 
     def view(self) -> policy.ModelView:
-        return policy.ModelView(self.key, self.runtime is not None, self.refcount, self.inflight,
+        return policy.ModelView(self.key, self.state == "loaded", self.refcount, self.inflight,
                                 self.last_used, self.spec.idle_ttl_s)
 
 
@@ -91,15 +111,33 @@ def process_bytes(reading: DeviceReading) -> int:
 
 
 class Daemon:
-    def __init__(self, config: Config, device: MemoryDevice, engine: Engine | None = None,
+    """The one owner of the daemon's state; every surface calls it on the event loop.
+
+    It owns: the VRAM :class:`Ledger` (its cap re-based on each :meth:`resync` of ``device``), the :class:`Model` s
+    (refcount, in-flight count, :data:`ModelState`, loaded runtime, estimate and measured bytes), the registered
+    :class:`Agent` s with their conversations, the ``engine`` (its worker thread and every runtime loaded on it;
+    :meth:`close` closes both, and the ``device``), the counters STATUS shows, and the cancel events of the
+    generations running now (:meth:`close` sets them).
+
+    It borrows: ``config``, read at use time (model specs, ``model_dirs``, ``admission_percent``), except for the
+    engine it builds from ``engine.threads`` once, here (a new thread count takes a restart); and ``clock``, the
+    monotonic time source of idle TTLs (L7), which tests drive by hand.
+    """
+
+    def __init__(self, config: Config, device: MemoryDevice, engine: EngineProtocol | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.device = device
-        self.engine = engine or Engine(config.engine.threads or None)
+        if engine is None:
+            from appliance.engine.runtime import Engine  # llama.cpp only when no other engine is given
+
+            engine = Engine(config.engine.threads or None)
+        self.engine: EngineProtocol = engine
         self.clock = clock
         self.models: dict[str, Model] = {}
         self.agents: dict[str, Agent] = {}
         self._claimed: set[str] = set()
+        self._running: set[threading.Event] = set()  # cancel events of the generations now on the engine
         self.reading = device.read()
         self.external = external_used(self.reading.used, self.reading.process_used, 0)
         self.ledger = Ledger(compute_cap(self.reading.total, config.admission_percent, self.external))
@@ -134,16 +172,16 @@ class Daemon:
             raise ApplianceError("UNKNOWN_MODEL", f"no model named {ref!r}",
                                  {"model": ref, "known": [m.name for m in self.config.models]})
         model = self.models.get(spec.name)
-        if model is None or model.spec != spec and model.runtime is None:
+        # A changed spec (the config was replaced) takes effect from the model's next load: never while it loads
+        # or unloads, since both models would hold the same ledger key.
+        if model is None or (model.spec != spec and model.state == "available"):
             model = self.models[spec.name] = Model(spec)
         return model
 
-    def model_state(self, name: str) -> str:
-        """``loaded``, ``loading`` (its load holds the lock) or ``available``, read from memory."""
+    def model_state(self, name: str) -> ModelState:
+        """The named model's :data:`ModelState`, read from memory (``available`` for one never resolved)."""
         model = self.models.get(name)
-        if model is not None and model.runtime is not None:
-            return "loaded"
-        return "loading" if model is not None and model.lock.locked() else "available"
+        return "available" if model is None else model.state
 
     def estimate(self, model: Model) -> int:
         if model.spec.vram_bytes is not None:
@@ -156,10 +194,11 @@ class Daemon:
         async with model.lock:
             if model.runtime is not None:
                 return
-            if model.estimate is None:
-                model.estimate = await asyncio.to_thread(self.estimate, model)
+            model.state = "loading"
             interrupted = False
             try:
+                if model.estimate is None:
+                    model.estimate = await asyncio.to_thread(self.estimate, model)
                 with self.ledger.reservation(model.key, model.estimate) as pending:
                     load = asyncio.ensure_future(self.engine.call(self._load, model))
                     try:
@@ -173,12 +212,14 @@ class Daemon:
             except ApplianceError as exc:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
                 raise
+            finally:
+                model.state = "available" if model.runtime is None else "loaded"
             model.last_used = self.clock()
             self._changed()
             if interrupted:
                 raise asyncio.CancelledError
 
-    def _load(self, model: Model) -> Runtime:
+    def _load(self, model: Model) -> RuntimeProtocol:
         model.baseline = process_bytes(self.device.read())
         spec = model.spec
         return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
@@ -190,8 +231,12 @@ class Daemon:
             if model.runtime is None or (still is not None and not still(model.view())):
                 return False
             runtime, model.runtime = model.runtime, None
-            await self.engine.call(runtime.close)
-            self.ledger.release(model.key)
+            model.state = "unloading"
+            try:
+                await self.engine.call(runtime.close)
+            finally:  # the runtime is gone from the daemon either way: so are its bytes
+                model.state = "available"
+                self.ledger.release(model.key)
         self._changed()
         return True
 
@@ -284,12 +329,11 @@ class Daemon:
             raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
         cancel = cancel or threading.Event()
         owner = {id(a.conversation): a.id for a in self.agents.values()}
-        delay = self.engine.token_delay_s
 
         def work() -> DecodeResult:
             swap = runtime.attach(conv)
             try:
-                generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set, delay)
+                generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set)
             finally:
                 if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
                     runtime.detach(conv)
@@ -297,6 +341,7 @@ class Daemon:
             return DecodeResult(agent_id, model.key, generation, evicted, swap.restored)
 
         model.inflight += 1
+        self._running.add(cancel)
         job = self.engine.submit(work)
         try:
             result = await asyncio.shield(job)
@@ -306,6 +351,7 @@ class Daemon:
                 await job
             raise
         finally:
+            self._running.discard(cancel)
             model.inflight -= 1
             model.last_used = self.clock()
         self.counters["decodes"] += 1
@@ -326,7 +372,11 @@ class Daemon:
         return reading
 
     async def close(self) -> None:
+        """Refuse new work, stop running generations at their next token, unload every model, then close the
+        engine and the device."""
         self.closing = True
+        for cancel in list(self._running):
+            cancel.set()
         for model in list(self.models.values()):
             await self.unload(model)
         self.agents.clear()
@@ -336,7 +386,7 @@ class Daemon:
     def snapshot(self) -> dict[str, Any]:
         """Everything STATUS, the admin page and metrics show, read from memory."""
         reading, ledger = self.reading, self.ledger.snapshot()
-        models = [{"name": m.key, "loaded": m.runtime is not None, "refcount": m.refcount,
+        models = [{"name": m.key, "state": m.state, "loaded": m.runtime is not None, "refcount": m.refcount,
                    "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
                    "n_ctx": m.spec.n_ctx, "path": str(m.path)} for m in self.models.values()]
         agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),

@@ -19,9 +19,9 @@ from typing import Literal, Protocol
 
 import pynvml
 
-from appliance.errors import ApplianceError
-from appliance.daemon.ledger import MAX_BYTES
 from appliance.config.schema import parse_size
+from appliance.daemon.ledger import MAX_BYTES
+from appliance.errors import ApplianceError
 
 DeviceKind = Literal["nvml", "host", "fake"]
 

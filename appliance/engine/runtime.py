@@ -15,77 +15,30 @@ import ctypes
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import llama_cpp
 
+from appliance.engine.interface import (  # re-exported: importers of these from here keep working
+    GREEDY,
+    Conversation,
+    Generation,
+    Sampling,
+    StopReason,
+    SwapReport,
+    Token,
+    Where,
+)
 from appliance.errors import ApplianceError
 
-Where = Literal["empty", "device", "host"]
-StopReason = Literal["eos", "length", "stop", "cancelled"]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 40
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-
-
-GREEDY = Sampling()
-
-
-@dataclass(frozen=True)
-class Generation:
-    text: str
-    tokens: tuple[int, ...]
-    prompt_tokens: int
-    stop_reason: StopReason
-    elapsed_s: float
-    ttft_s: float | None
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def stopped_on_eos(self) -> bool:
-        return self.stop_reason == "eos"
-
-
-@dataclass(frozen=True)
-class Token:
-    """One generated token as streamed to a client."""
-
-    id: int
-    text: str
-    index: int
-    timestamp: float
-
-
-@dataclass(eq=False)
-class Conversation:
-    """An agent's conversation: its tokens and, while suspended, its KV state in host RAM."""
-
-    tokens: list[int] = field(default_factory=list)
-    n_evaluated: int = 0
-    where: Where = "empty"
-    buffer: bytearray | None = None
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class SwapReport:
-    evicted: Conversation | None
-    restored: bool
+__all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "SwapReport",
+           "Token", "Where"]
 
 
 class Runtime:
-    """One loaded model with one live context, shared by the conversations of every agent on it."""
+    """One loaded model with one live context, shared by the conversations of every agent on it
+    (implements :class:`~appliance.engine.interface.RuntimeProtocol`)."""
 
     def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None) -> None:
         self.path = path
@@ -186,7 +139,7 @@ class Runtime:
     # -- generation ------------------------------------------------------------------------------
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
                  on_token: Callable[[Token], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None, token_delay_s: float = 0.0) -> Generation:
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
         """Continue ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens. ``conv`` must be attached."""
         if self.live is not conv:
             raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
@@ -219,8 +172,6 @@ class Runtime:
                 llm.eval(conv.tokens[llm.n_tokens:])
                 conv.n_evaluated = llm.n_tokens
                 tok = sampler.sample(llm._ctx, -1)
-                if token_delay_s:
-                    time.sleep(token_delay_s)
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 conv.tokens.append(tok)
@@ -247,12 +198,14 @@ class Runtime:
 
 
 class Engine:
-    """The single worker thread of a device; every llama.cpp call goes through :meth:`call`."""
+    """The single worker thread of a device; every llama.cpp call goes through :meth:`call`
+    (implements :class:`~appliance.engine.interface.EngineProtocol`; its loads are :class:`Runtime` s).
+
+    ``n_threads`` is read once, here: a changed ``engine.threads`` takes a new engine (a restart)."""
 
     def __init__(self, n_threads: int | None = None) -> None:
         self.n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.token_delay_s = 0.0  # a test hook: stall before each token (heartbeat tests)
 
     def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         """Queue ``fn`` on the engine thread; the future is the loop's, no task wraps it."""

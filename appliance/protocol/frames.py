@@ -1,27 +1,50 @@
 """MAGN frames (SPEC P1, P2): a sans-IO encoder and an incremental parser, in the style of h11.
 
-A frame is ``magic`` (uint32 BE 0x4D474E54: the bytes are ASCII ``b"MGNT"`` although SPEC says "MAGN"),
-``version`` (uint16 BE, 1), ``length`` (uint32 BE) and ``length`` payload bytes: standard padded base64 of the
-UTF-8 JSON text of one object. ``max_frame_bytes`` bounds ``length`` (the base64 payload; the 10-byte header is not
-counted). Nothing here touches a socket.
+Wire format
+-----------
+
+A frame is a 10-byte header followed by ``length`` payload bytes:
+
+=========  ==========  =====================================================================
+field      encoding    value
+=========  ==========  =====================================================================
+magic      uint32 BE   0x4D474E54: the bytes are ASCII ``b"MGNT"`` although SPEC says "MAGN"
+version    uint16 BE   1
+length     uint32 BE   the number of payload bytes that follow
+payload    bytes       standard padded base64 of the UTF-8 JSON text of one object
+=========  ==========  =====================================================================
+
+``max_frame_bytes`` bounds ``length`` (the base64 payload; the 10-byte header is not counted). Nothing here
+touches a socket.
+
+Errors
+------
 
 Errors follow h11: :class:`LocalProtocolError` means *we* tried to build or send something invalid,
 :class:`RemoteProtocolError` means the *peer* sent something invalid; both carry ``.error``, an
 :class:`~appliance.errors.ApplianceError` with a P4 code.
 
-:class:`FrameParser` states: ``HEADER`` (waiting for a 10-byte header; initial), ``PAYLOAD`` (header accepted,
-waiting for its payload), ``CLOSED`` (end of stream signalled with ``receive_data(b"")`` and every frame
-returned), ``ERROR`` (after a fatal error: all further calls re-raise it).
+Fatal (``RemoteProtocolError.fatal``; the framing is lost, close the connection):
 
-Fatal (``RemoteProtocolError.fatal``; the framing is lost, close the connection): ``BAD_MAGIC`` as soon as the
-buffered bytes can no longer start with the magic (one wrong byte is enough), ``UNSUPPORTED_VERSION`` once the
-6 bytes of magic and version are in, ``FRAME_TOO_LARGE`` once the header is in (no payload byte is needed), and
-``BAD_PAYLOAD`` with ``details["reason"] == "truncated frame"`` when the stream ends inside a frame.
+- ``BAD_MAGIC`` as soon as the buffered bytes can no longer start with the magic (one wrong byte is enough);
+- ``UNSUPPORTED_VERSION`` once the 6 bytes of magic and version are in;
+- ``FRAME_TOO_LARGE`` once the header is in (no payload byte is needed);
+- ``BAD_PAYLOAD`` with ``details["reason"] == "truncated frame"`` when the stream ends inside a frame.
 
 Recoverable (``fatal`` false): ``BAD_PAYLOAD`` for a frame with a valid header whose payload is not base64 of a
 UTF-8 JSON object within :func:`check_json`'s limits (``details["stage"]`` says which step failed). The frame's
 bytes are consumed, the parser is back in ``HEADER`` and the next :meth:`FrameParser.next_event` call goes on
 with the following frame.
+
+Parser states
+-------------
+
+:class:`FrameParser` is in one of the :class:`ParserState` states:
+
+- ``HEADER``: waiting for a 10-byte header (the initial state);
+- ``PAYLOAD``: the header was accepted, waiting for its payload;
+- ``CLOSED``: end of stream was signalled with ``receive_data(b"")`` and every frame was returned;
+- ``ERROR``: after a fatal error; all further calls re-raise it.
 """
 
 from __future__ import annotations
@@ -37,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from appliance.errors import ApplianceError
+from appliance.protocol.events import CLOSED, NEED_DATA, Sentinel
 
 MAGIC = 0x4D474E54
 MAGIC_BYTES = MAGIC.to_bytes(4, "big")  # b"MGNT"
@@ -47,15 +71,25 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 """Deepest nesting of objects/arrays accepted in a payload (the payload object itself is depth 1)."""
 
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_MAGIC_AND_VERSION_SIZE = 6  # the header's first two fields: enough to check the version
+_MAX_VERSION = 0xFFFF  # uint16
+_MAX_LENGTH = 0xFFFFFFFF  # uint32
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ProtocolError(Exception):
     """Base of the two protocol errors: ``error`` is the P4 error, ``task_id`` its task when known."""
 
-    def __init__(self, code: str, message: str = "", *, details: dict[str, Any] | None = None,
-                 task_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str = "",
+        *,
+        details: dict[str, Any] | None = None,
+        task_id: str | None = None,
+    ) -> None:
         self.error = ApplianceError(code, message, dict(details or {}))
         self.task_id = task_id
         super().__init__(str(self.error))
@@ -72,31 +106,24 @@ class LocalProtocolError(ProtocolError):
 class RemoteProtocolError(ProtocolError):
     """The peer sent something that is not valid MAGN; if ``fatal`` the connection must be closed."""
 
-    def __init__(self, code: str, message: str = "", *, details: dict[str, Any] | None = None,
-                 task_id: str | None = None, fatal: bool = True) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str = "",
+        *,
+        details: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        fatal: bool = True,
+    ) -> None:
         super().__init__(code, message, details=details, task_id=task_id)
         self.fatal = fatal
 
 
-class Sentinel(enum.Enum):
-    """Non-frame results of :meth:`FrameParser.next_event`."""
-
-    NEED_DATA = "NEED_DATA"
-    CLOSED = "CLOSED"
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-NEED_DATA = Sentinel.NEED_DATA
-"""No complete frame is buffered: call ``receive_data`` with more bytes."""
-CLOSED = Sentinel.CLOSED
-"""End of stream was signalled and no bytes are left over."""
-
-
-def _bad(path: str, reason: str) -> LocalProtocolError:
-    return LocalProtocolError("BAD_PAYLOAD", f"{path or 'payload'}: {reason}",
-                              details={"field": path or None, "reason": reason})
+def _bad_json(path: str, reason: str) -> LocalProtocolError:
+    """The ``BAD_PAYLOAD`` error for a value that is not strict JSON; ``path`` "" is the payload itself."""
+    if path:
+        return LocalProtocolError("BAD_PAYLOAD", f"{path}: {reason}", details={"field": path, "reason": reason})
+    return LocalProtocolError("BAD_PAYLOAD", f"payload: {reason}", details={"field": None, "reason": reason})
 
 
 def check_json(value: Any, path: str = "", depth: int = 1) -> None:
@@ -106,28 +133,41 @@ def check_json(value: Any, path: str = "", depth: int = 1) -> None:
     ``None``, ints in [-2**63, 2**64 - 1], finite floats, at most :data:`MAX_JSON_DEPTH` deep. Such a value
     survives an encode/decode round trip unchanged. ``path`` names ``value`` in the error (``a.b[2]``).
     """
-    reason = None
+    if value is None or isinstance(value, bool):
+        return
     if isinstance(value, str):
-        reason = None if value.isascii() or not _SURROGATE.search(value) else "string is not valid Unicode"
-    elif isinstance(value, int) and not isinstance(value, bool):
-        reason = None if _INT_MIN <= value <= _INT_MAX else "integer out of the 64-bit range"
-    elif isinstance(value, float):
-        reason = None if math.isfinite(value) else "number is not finite"
-    elif isinstance(value, dict | list) and depth > MAX_JSON_DEPTH:
-        reason = f"nested deeper than {MAX_JSON_DEPTH}"
-    elif isinstance(value, dict):
+        if not value.isascii() and _SURROGATE.search(value):
+            raise _bad_json(path, "string is not valid Unicode")
+        return
+    if isinstance(value, int):
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise _bad_json(path, "integer out of the 64-bit range")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _bad_json(path, "number is not finite")
+        return
+    if isinstance(value, dict | list) and depth > MAX_JSON_DEPTH:
+        raise _bad_json(path, f"nested deeper than {MAX_JSON_DEPTH}")
+    if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise _bad(path, f"object key {key!r} is not a string")
+                raise _bad_json(path, f"object key {key!r} is not a string")
             check_json(key, path, depth)
-            check_json(item, f"{path}.{key}" if path else key, depth + 1)
-    elif isinstance(value, list):
+            if path:
+                check_json(item, f"{path}.{key}", depth + 1)
+            else:
+                check_json(item, key, depth + 1)
+        return
+    if isinstance(value, list):
         for index, item in enumerate(value):
             check_json(item, f"{path}[{index}]", depth + 1)
-    elif value is not None and not isinstance(value, bool):
-        reason = f"{type(value).__name__} is not a JSON type"
-    if reason is not None:
-        raise _bad(path, reason)
+        return
+    raise _bad_json(path, f"{type(value).__name__} is not a JSON type")
+
+
+def _is_uint16(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_VERSION
 
 
 @dataclass(frozen=True)
@@ -143,21 +183,27 @@ class Frame:
     version: int = VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.version, int) or isinstance(self.version, bool) or not 0 <= self.version <= 0xFFFF:
-            raise LocalProtocolError("UNSUPPORTED_VERSION", f"version {self.version!r} is not a uint16",
-                                     details={"version": repr(self.version)})
+        if not _is_uint16(self.version):
+            raise LocalProtocolError(
+                "UNSUPPORTED_VERSION",
+                f"version {self.version!r} is not a uint16",
+                details={"version": repr(self.version)},
+            )
         if not isinstance(self.payload, dict):
-            raise _bad("", "payload is not a JSON object")
+            raise _bad_json("", "payload is not a JSON object")
         check_json(self.payload)
 
     def to_bytes(self, *, max_frame_bytes: int | None = None) -> bytes:
         """The frame on the wire; ``FRAME_TOO_LARGE`` if the base64 payload exceeds ``max_frame_bytes``."""
         text = json.dumps(self.payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         body = base64.b64encode(text.encode("utf-8"))
-        limit = 0xFFFFFFFF if max_frame_bytes is None else min(max_frame_bytes, 0xFFFFFFFF)
+        limit = _MAX_LENGTH if max_frame_bytes is None else min(max_frame_bytes, _MAX_LENGTH)
         if len(body) > limit:
-            raise LocalProtocolError("FRAME_TOO_LARGE", f"payload of {len(body)} bytes is over {limit}",
-                                     details={"length": len(body), "max_frame_bytes": limit})
+            raise LocalProtocolError(
+                "FRAME_TOO_LARGE",
+                f"payload of {len(body)} bytes is over {limit}",
+                details={"length": len(body), "max_frame_bytes": limit},
+            )
         return HEADER.pack(MAGIC, self.version, len(body)) + body
 
 
@@ -175,6 +221,8 @@ def looks_like_magn(prefix: bytes) -> bool:
 
 
 class ParserState(enum.Enum):
+    """Where a :class:`FrameParser` is; see the module docstring."""
+
     HEADER = "HEADER"
     PAYLOAD = "PAYLOAD"
     CLOSED = "CLOSED"
@@ -204,7 +252,9 @@ class FrameParser:
             return ParserState.ERROR
         if self._length is not None:
             return ParserState.PAYLOAD
-        return ParserState.CLOSED if self._eof and not self._buffer else ParserState.HEADER
+        if self._eof and not self._buffer:
+            return ParserState.CLOSED
+        return ParserState.HEADER
 
     @property
     def trailing_data(self) -> bytes:
@@ -230,49 +280,72 @@ class FrameParser:
         if self._error is not None:
             raise self._error
         try:
-            return self._next()
+            return self._next_event()
         except RemoteProtocolError as exc:
             if exc.fatal:
                 self._error = exc
             raise
 
-    def _next(self) -> Frame | Literal[Sentinel.NEED_DATA, Sentinel.CLOSED]:
-        buf = self._buffer
+    def _next_event(self) -> Frame | Literal[Sentinel.NEED_DATA, Sentinel.CLOSED]:
         if self._length is None:
-            if not looks_like_magn(buf):
-                raise RemoteProtocolError("BAD_MAGIC", "stream does not start with the MAGN magic",
-                                          details={"received": bytes(buf[:4]).hex()})
-            if len(buf) >= 6:
-                (version,) = struct.unpack_from(">H", buf, 4)
-                if version not in SUPPORTED_VERSIONS:
-                    raise RemoteProtocolError("UNSUPPORTED_VERSION", f"version {version} is not supported",
-                                              details={"version": version, "supported": sorted(SUPPORTED_VERSIONS)})
-            if len(buf) < HEADER.size:
+            self._check_magic_and_version()
+            if len(self._buffer) < HEADER.size:
                 return self._starved()
-            _, self._version, length = HEADER.unpack_from(buf)
-            if length > (limit := self.max_frame_bytes):
-                raise RemoteProtocolError("FRAME_TOO_LARGE", f"payload of {length} bytes is over {limit}",
-                                          details={"length": length, "max_frame_bytes": limit})
-            self._length = length
+            self._length = self._read_header()
         end = HEADER.size + self._length
-        if len(buf) < end:
+        if len(self._buffer) < end:
             return self._starved()
-        body = bytes(buf[HEADER.size:end])
-        del buf[:end]
-        self.last_length, self._length = self._length, None
+        body = bytes(self._buffer[HEADER.size:end])
+        del self._buffer[:end]
+        self.last_length = self._length
+        self._length = None
         payload = _decode_payload(body)
         try:
             return Frame(payload, self._version)
         except LocalProtocolError as exc:  # valid JSON outside our strict subset (depth, range, surrogates)
-            raise _remote_bad("json", exc.error.message, field=exc.error.details.get("field")) from None
+            raise _remote_bad_payload("json", exc.error.message, field=exc.error.details.get("field")) from None
+
+    def _check_magic_and_version(self) -> None:
+        """Refuse the buffered start of a header as soon as it cannot be a frame we accept."""
+        if not looks_like_magn(self._buffer):
+            raise RemoteProtocolError(
+                "BAD_MAGIC",
+                "stream does not start with the MAGN magic",
+                details={"received": bytes(self._buffer[:4]).hex()},
+            )
+        if len(self._buffer) < _MAGIC_AND_VERSION_SIZE:
+            return
+        (version,) = struct.unpack_from(">H", self._buffer, 4)
+        if version not in SUPPORTED_VERSIONS:
+            raise RemoteProtocolError(
+                "UNSUPPORTED_VERSION",
+                f"version {version} is not supported",
+                details={"version": version, "supported": sorted(SUPPORTED_VERSIONS)},
+            )
+
+    def _read_header(self) -> int:
+        """Accept the buffered header (left in the buffer) and return its payload length."""
+        _, self._version, length = HEADER.unpack_from(self._buffer)
+        limit = self.max_frame_bytes
+        if length > limit:
+            raise RemoteProtocolError(
+                "FRAME_TOO_LARGE",
+                f"payload of {length} bytes is over {limit}",
+                details={"length": length, "max_frame_bytes": limit},
+            )
+        return length
 
     def _starved(self) -> Literal[Sentinel.NEED_DATA, Sentinel.CLOSED]:
+        """What to answer when the buffer holds no complete frame."""
         if not self._eof:
             return NEED_DATA
         if not self._buffer:
             return CLOSED
-        raise RemoteProtocolError("BAD_PAYLOAD", "stream ended inside a frame",
-                                  details={"reason": "truncated frame", "buffered": len(self._buffer)})
+        raise RemoteProtocolError(
+            "BAD_PAYLOAD",
+            "stream ended inside a frame",
+            details={"reason": "truncated frame", "buffered": len(self._buffer)},
+        )
 
 
 def _decode_payload(body: bytes) -> dict[str, Any]:
@@ -280,20 +353,21 @@ def _decode_payload(body: bytes) -> dict[str, Any]:
     try:
         raw = base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
-        raise _remote_bad("base64", "payload is not valid base64") from None
+        raise _remote_bad_payload("base64", "payload is not valid base64") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise _remote_bad("utf-8", "payload is not UTF-8") from None
+        raise _remote_bad_payload("utf-8", "payload is not UTF-8") from None
     try:
         payload = json.loads(text)  # NaN/Infinity load as floats; Frame() refuses them
     except (ValueError, RecursionError):
-        raise _remote_bad("json", "payload is not JSON") from None
+        raise _remote_bad_payload("json", "payload is not JSON") from None
     if not isinstance(payload, dict):
-        raise _remote_bad("json", "payload is not a JSON object")
+        raise _remote_bad_payload("json", "payload is not a JSON object")
     return payload
 
 
-def _remote_bad(stage: str, message: str, field: str | None = None) -> RemoteProtocolError:
+def _remote_bad_payload(stage: str, message: str, field: str | None = None) -> RemoteProtocolError:
+    """The recoverable ``BAD_PAYLOAD`` of a frame whose header was fine; ``stage``: base64, utf-8 or json."""
     details = {"stage": stage, "field": field, "reason": message}
     return RemoteProtocolError("BAD_PAYLOAD", message, details=details, fatal=False)

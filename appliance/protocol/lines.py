@@ -13,13 +13,13 @@ code, then the error's details as ``key=value``; an error without details carrie
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from appliance.errors import ApplianceError
+from appliance.protocol.events import CLOSED, NEED_DATA, Sentinel
 
 SCHEMA = "lmx-daemon/1"
 MAX_LINE_BYTES = 64 * 1024
@@ -107,22 +107,6 @@ def parse_line(line: str | bytes) -> Command:
                    max=MAX_DECODE_TOKENS)
     prompt = parts[2] if len(parts) == 3 else ""
     return Command(name, agent=_agent(agent), n_tokens=int(count), prompt=prompt)
-
-
-class Sentinel(enum.Enum):
-    """Non-command results of :meth:`LineReader.next_event`."""
-
-    NEED_DATA = "NEED_DATA"
-    CLOSED = "CLOSED"
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-NEED_DATA = Sentinel.NEED_DATA
-"""No complete line is buffered: call ``receive_data`` with more bytes."""
-CLOSED = Sentinel.CLOSED
-"""End of stream was signalled and every line was returned."""
 
 
 class LineProtocolError(Exception):

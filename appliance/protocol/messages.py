@@ -1,15 +1,25 @@
 """MAGN messages (SPEC P3): frozen dataclasses, one per JSON ``type``, each field declaring its own check.
 
-Construction validates (:class:`~appliance.protocol.frames.LocalProtocolError`, ``BAD_PAYLOAD``, ``details = {"field",
-"reason"}``) and normalises (lists to tuples, dicts to records, ints to floats), so ``parse_message(m.to_payload())
-== m``. :func:`parse_message` refuses unknown types and missing, unknown or invalid fields with a non-fatal
+Validation
+----------
+
+Construction validates and raises :class:`~appliance.protocol.frames.LocalProtocolError` (``BAD_PAYLOAD``,
+``details = {"field", "reason"}``). It also normalises: lists become tuples, dicts become records (``usage``,
+``tool_call``, ...), ints become floats where a number is expected; so ``parse_message(m.to_payload()) == m``.
+
+:func:`parse_message` refuses unknown types and missing, unknown or invalid fields with a non-fatal
 :class:`~appliance.protocol.frames.RemoteProtocolError` (the framing is intact, the connection can go on).
 
-Tasks: the client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight at once.
-TASK_START is answered by its echo with ``status``; INFER_REQUEST by any STREAM_TOKEN / HEARTBEAT and then one
-TASK_COMPLETE or ERROR, all with its ``task_id``. CANCEL ends that task with ERROR ``CANCELLED`` (ignored for
-unknown or finished tasks). ERROR with a null ``task_id`` concerns the connection. PROTOCOL_INFO without fields
-asks; the reply PROTOCOL_INFO carries them all.
+Tasks
+-----
+
+- The client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight at once.
+- TASK_START is answered by its echo with ``status``.
+- INFER_REQUEST is answered by any STREAM_TOKEN / HEARTBEAT and then one TASK_COMPLETE or ERROR, all with its
+  ``task_id``.
+- CANCEL ends that task with ERROR ``CANCELLED`` (ignored for unknown or finished tasks).
+- ERROR with a null ``task_id`` concerns the connection.
+- PROTOCOL_INFO without fields asks; the reply PROTOCOL_INFO carries them all.
 """
 
 from __future__ import annotations
@@ -24,77 +34,203 @@ from appliance.errors import TABLE, ApplianceError
 from appliance.protocol.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
 
 SCHEMA = "magn/1"
-MAX_ID_CHARS, MAX_TOKENS_LIMIT, MAX_STOP_STRINGS = 256, 131072, 16
+MAX_ID_CHARS = 256
+MAX_TOKENS_LIMIT = 131072
+MAX_STOP_STRINGS = 16
+MAX_CHAT_MESSAGES = 4096
+MAX_SUPPORTED_VERSIONS = 64
 ROLES = ("system", "user", "assistant", "tool")
 STOP_REASONS = ("stop", "length", "tool_call")
+
+_MAX_EXACT_FLOAT_INT = 2**53  # larger ints do not survive the conversion to float
 _SURROGATE = re.compile("[\ud800-\udfff]")
-Check = Callable[[Any, str], Any]  # (value, field name) -> normalised value, or _fail
+
+Check = Callable[[Any, str], Any]
+"""A field check: ``check(value, field_name)`` returns the normalised value or raises via :func:`_fail`."""
 
 
 def _fail(name: str, reason: str) -> NoReturn:
     raise LocalProtocolError("BAD_PAYLOAD", f"{name}: {reason}", details={"field": name, "reason": reason})
 
 
-def _f(check: Check, default: Any = MISSING) -> Any:
-    """A dataclass field checked by ``check``; None skips the check when None is also the default."""
-    meta = {"check": check, "nullable": default is None}
-    return field(default_factory=dict, metadata=meta) if default == {} else field(default=default, metadata=meta)
+def _field(check: Check, default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
+    """A dataclass field validated by ``check``.
+
+    A field whose default is None may be None (JSON null): the check is skipped for it.
+    """
+    metadata = {"check": check, "nullable": default is None}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def _rule(ok: Callable[[Any], bool], reason: str, convert: Callable[[Any, str], Any] = lambda v, n: v) -> Check:
-    """A check that fails with ``reason`` unless ``ok(value)``, and returns ``convert(value, name)``."""
-    def check(value: Any, name: str) -> Any:
-        if not ok(value):
+# --- field checks ----------------------------------------------------------------------------------------------------
+
+
+def _is_identifier(value: Any) -> bool:
+    """A non-empty string of at most :data:`MAX_ID_CHARS` characters, valid Unicode."""
+    if not isinstance(value, str):
+        return False
+    if not 0 < len(value) <= MAX_ID_CHARS:
+        return False
+    return not _SURROGATE.search(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_identifier(value: Any, name: str) -> str:
+    if not _is_identifier(value):
+        _fail(name, f"must be a string of 1 to {MAX_ID_CHARS} valid characters")
+    return value
+
+
+def _check_text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or _SURROGATE.search(value):
+        _fail(name, "must be a string of valid Unicode")
+    return value
+
+
+def _check_boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(name, "must be a boolean")
+    return value
+
+
+def _check_error_code(value: Any, name: str) -> str:
+    if not isinstance(value, str) or value not in TABLE:
+        _fail(name, "must be a code of the P4 error table")
+    return value
+
+
+def _check_json_object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(name, "must be a JSON object")
+    check_json(value, name)
+    return value
+
+
+def _check_json_array_or_object(value: Any, name: str) -> list[Any] | dict[str, Any]:
+    if not isinstance(value, list | dict):
+        _fail(name, "must be a JSON array or object")
+    check_json(value, name)
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    """A check that the value is one of ``choices``."""
+    reason = f"must be one of {list(choices)}"
+
+    def check(value: Any, name: str) -> str:
+        if value not in choices:
             _fail(name, reason)
-        return convert(value, name)
+        return value
+
     return check
 
 
-def _is_id(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and not _SURROGATE.search(value)
+def _integer(low: int, high: int) -> Check:
+    """A check for an int (not a bool) in [low, high]."""
+    reason = f"must be an integer in [{low}, {high}]"
+
+    def check(value: Any, name: str) -> int:
+        if not _is_int(value) or not low <= value <= high:
+            _fail(name, reason)
+        return int(value)
+
+    return check
 
 
-def _num(lo: float, hi: float, *, integer: bool = False, open_lo: bool = False) -> Check:
-    def ok(v: Any) -> bool:
-        number = isinstance(v, int) and not isinstance(v, bool) and (integer or abs(v) <= 2**53) or (
-            not integer and isinstance(v, float) and math.isfinite(v))
-        return number and (lo < v if open_lo else lo <= v) and v <= hi
-    kind, bracket = ("an integer", "[") if integer else ("a number", "(" if open_lo else "[")
-    return _rule(ok, f"must be {kind} in {bracket}{lo}, {hi}]", lambda v, n: int(v) if integer else float(v))
+def _number(low: float, high: float, *, open_low: bool = False) -> Check:
+    """A check for a finite float or an exactly convertible int, in [low, high] (``open_low``: in (low, high]).
+
+    The value is returned as a float.
+    """
+    bracket = "(" if open_low else "["
+    reason = f"must be a number in {bracket}{low}, {high}]"
+
+    def in_range(value: float) -> bool:
+        if open_low:
+            return low < value <= high
+        return low <= value <= high
+
+    def check(value: Any, name: str) -> float:
+        if _is_int(value):
+            is_number = abs(value) <= _MAX_EXACT_FLOAT_INT
+        else:
+            is_number = isinstance(value, float) and math.isfinite(value)
+        if not is_number or not in_range(value):
+            _fail(name, reason)
+        return float(value)
+
+    return check
 
 
-def _seq(item: Check, max_len: int, *, non_empty: bool = False) -> Check:
-    return _rule(lambda v: isinstance(v, list | tuple) and int(non_empty) <= len(v) <= max_len,
-                 f"must be an array of {int(non_empty)} to {max_len} entries",
-                 lambda v, n: tuple(item(x, f"{n}[{i}]") for i, x in enumerate(v)))
+def _array(item: Check, max_entries: int, *, non_empty: bool = False) -> Check:
+    """A check for a list (or tuple) of ``item``s, returned as a tuple; items are named ``name[i]``."""
+    min_entries = 1 if non_empty else 0
+    reason = f"must be an array of {min_entries} to {max_entries} entries"
+
+    def check(value: Any, name: str) -> tuple[Any, ...]:
+        if not isinstance(value, list | tuple) or not min_entries <= len(value) <= max_entries:
+            _fail(name, reason)
+        items = []
+        for index, entry in enumerate(value):
+            items.append(item(entry, f"{name}[{index}]"))
+        return tuple(items)
+
+    return check
 
 
-def _json(*kinds: type) -> Check:
-    return _rule(lambda v: isinstance(v, kinds), "must be a JSON " + " or ".join(
-        "object" if k is dict else "array" for k in kinds), lambda v, n: check_json(v, n) or v)
+def _record(cls: type[_Record]) -> Check:
+    """A check for a nested record: an instance of ``cls``, or a JSON object built into one."""
+
+    def check(value: Any, name: str) -> Any:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            _fail(name, "must be a JSON object")
+        return _build(cls, value, name)
+
+    return check
 
 
-def _record(cls: Any) -> Check:
-    return _rule(lambda v: isinstance(v, cls | dict), "must be a JSON object",
-                 lambda v, n: v if isinstance(v, cls) else _build(cls, v, n))
+_check_count = _integer(0, 2**31 - 1)
+_check_uint16 = _integer(0, 0xFFFF)
+_check_uint32 = _integer(0, 0xFFFFFFFF)
+_check_max_tokens = _integer(1, MAX_TOKENS_LIMIT)
+_check_non_negative = _number(0.0, math.inf)
+_check_logprob = _number(-math.inf, 0.0)
+_check_temperature = _number(0.0, 2.0)
+_check_top_p = _number(0.0, 1.0, open_low=True)
+_check_stop_strings = _array(_check_identifier, MAX_STOP_STRINGS)
+_check_supported_versions = _array(_check_uint16, MAX_SUPPORTED_VERSIONS, non_empty=True)
 
 
-_text = _rule(lambda v: isinstance(v, str) and not _SURROGATE.search(v), "must be a string of valid Unicode")
-_ident = _rule(_is_id, f"must be a string of 1 to {MAX_ID_CHARS} valid characters")
-_bool = _rule(lambda v: isinstance(v, bool), "must be a boolean")
-_COUNT, _U16, _U32 = (_num(0, hi, integer=True) for hi in (2**31 - 1, 0xFFFF, 0xFFFFFFFF))
-_timings = _rule(lambda v: isinstance(v, dict), "must be a JSON object of numbers",
-                 lambda v, n: {k: _num(0.0, math.inf)(x, f"{n}.{k}") for k, x in _json(dict)(v, n).items()})
+def _check_timings(value: Any, name: str) -> dict[str, float]:
+    """A JSON object of numbers >= 0, each named ``name.key``."""
+    if not isinstance(value, dict):
+        _fail(name, "must be a JSON object of numbers")
+    check_json(value, name)
+    timings = {}
+    for key, number in value.items():
+        timings[key] = _check_non_negative(number, f"{name}.{key}")
+    return timings
 
 
-def _build(cls: Any, data: dict[str, Any], name: str) -> Any:
+# --- records ---------------------------------------------------------------------------------------------------------
+
+
+def _build(cls: type[_Record], data: dict[str, Any], name: str) -> Any:
     """``cls(**data)`` for a payload dict, with missing/unknown keys and inner errors named under ``name``."""
     prefix = f"{name}." if name else ""
-    known = {f.name: f for f in fields(cls)}
-    unknown = [k for k in data if k not in known]
-    missing = [k for k, f in known.items() if k not in data and f.default is MISSING and f.default_factory is MISSING]
-    if unknown or missing:
-        _fail(f"{prefix}{(unknown or missing)[0]}", "unknown field" if unknown else "missing")
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    for key in data:
+        if key not in known:
+            _fail(f"{prefix}{key}", "unknown field")
+    for key, declared in known.items():
+        required = declared.default is MISSING and declared.default_factory is MISSING
+        if required and key not in data:
+            _fail(f"{prefix}{key}", "missing")
     try:
         return cls(**data)
     except LocalProtocolError as exc:
@@ -102,21 +238,26 @@ def _build(cls: Any, data: dict[str, Any], name: str) -> Any:
 
 
 def _dump(value: Any) -> Any:
+    """The JSON value of a record field: records as dicts, tuples as lists."""
     if isinstance(value, _Record):
         return {f.name: _dump(getattr(value, f.name)) for f in fields(value)}  # type: ignore[arg-type]
     if isinstance(value, tuple | list):
         return [_dump(item) for item in value]
-    return dict(value) if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        return dict(value)
+    return value
 
 
 class _Record:
     """Base of the frozen dataclasses here: runs each field's check, then :meth:`_validate`."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if not (value is None and f.metadata["nullable"]):
-                object.__setattr__(self, f.name, f.metadata["check"](value, f.name))
+        for declared in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, declared.name)
+            if value is None and declared.metadata["nullable"]:
+                continue
+            checked = declared.metadata["check"](value, declared.name)
+            object.__setattr__(self, declared.name, checked)
         self._validate()
 
     def _validate(self) -> None:
@@ -125,36 +266,42 @@ class _Record:
 
 @dataclass(frozen=True)
 class ChatMessage(_Record):
-    role: str = _f(_rule(lambda v: v in ROLES, f"must be one of {list(ROLES)}"))
-    content: str = _f(_text)
+    role: str = _field(_one_of(ROLES))
+    content: str = _field(_check_text)
 
 
 @dataclass(frozen=True)
 class Usage(_Record):
-    prompt_tokens: int = _f(_COUNT)
-    completion_tokens: int = _f(_COUNT)
+    prompt_tokens: int = _field(_check_count)
+    completion_tokens: int = _field(_check_count)
 
 
 @dataclass(frozen=True)
 class ToolCall(_Record):
-    name: str = _f(_ident)
-    arguments: dict[str, Any] = _f(_json(dict), {})
+    name: str = _field(_check_identifier)
+    arguments: dict[str, Any] = _field(_check_json_object, default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ErrorBody(_Record):
     """The P4 shape; ``retryable`` is always the table's value for ``code``, an empty message its summary."""
-    code: str = _f(_rule(lambda v: isinstance(v, str) and v in TABLE, "must be a code of the P4 error table"))
-    message: str = _f(_text, "")
-    retryable: bool = _f(_bool, False)
-    details: dict[str, Any] = _f(_json(dict), {})
+
+    code: str = _field(_check_error_code)
+    message: str = _field(_check_text, "")
+    retryable: bool = _field(_check_boolean, False)
+    details: dict[str, Any] = _field(_check_json_object, default_factory=dict)
 
     def _validate(self) -> None:
-        object.__setattr__(self, "message", self.message or TABLE[self.code].summary)
-        object.__setattr__(self, "retryable", TABLE[self.code].retryable)
+        kind = TABLE[self.code]
+        if not self.message:
+            object.__setattr__(self, "message", kind.summary)
+        object.__setattr__(self, "retryable", kind.retryable)
 
     def exception(self) -> ApplianceError:
         return ApplianceError(self.code, self.message, dict(self.details))
+
+
+# --- messages --------------------------------------------------------------------------------------------------------
 
 
 class _Message(_Record):
@@ -168,28 +315,32 @@ class _Message(_Record):
 @dataclass(frozen=True)
 class TaskStart(_Message):
     """Open the agent session ``session_id`` on ``model``; the server's echo sets ``status`` (e.g. "started")."""
+
     TYPE: ClassVar[str] = "TASK_START"
-    task_id: str = _f(_ident)
-    session_id: str = _f(_ident)
-    model: str = _f(_ident)
-    tools: list[Any] | dict[str, Any] | None = _f(_json(list, dict), None)
-    status: str | None = _f(_ident, None)
+    task_id: str = _field(_check_identifier)
+    session_id: str = _field(_check_identifier)
+    model: str = _field(_check_identifier)
+    tools: list[Any] | dict[str, Any] | None = _field(_check_json_array_or_object, None)
+    status: str | None = _field(_check_identifier, None)
 
 
 @dataclass(frozen=True)
 class InferRequest(_Message):
     """Generate: exactly one of ``prompt``/``messages``; ``session_id`` (an agent's conversation) or ``model``."""
+
     TYPE: ClassVar[str] = "INFER_REQUEST"
-    task_id: str = _f(_ident)
-    model: str | None = _f(_ident, None)
-    session_id: str | None = _f(_ident, None)
-    prompt: str | None = _f(_text, None)
-    messages: tuple[ChatMessage, ...] | None = _f(_seq(_record(ChatMessage), 4096, non_empty=True), None)
-    max_tokens: int = _f(_num(1, MAX_TOKENS_LIMIT, integer=True), 256)
-    temperature: float = _f(_num(0.0, 2.0), 0.8)
-    top_p: float = _f(_num(0.0, 1.0, open_lo=True), 0.95)
-    stop: tuple[str, ...] = _f(_seq(_ident, MAX_STOP_STRINGS), ())
-    stream: bool = _f(_bool, False)
+    task_id: str = _field(_check_identifier)
+    model: str | None = _field(_check_identifier, None)
+    session_id: str | None = _field(_check_identifier, None)
+    prompt: str | None = _field(_check_text, None)
+    messages: tuple[ChatMessage, ...] | None = _field(
+        _array(_record(ChatMessage), MAX_CHAT_MESSAGES, non_empty=True), None
+    )
+    max_tokens: int = _field(_check_max_tokens, 256)
+    temperature: float = _field(_check_temperature, 0.8)
+    top_p: float = _field(_check_top_p, 0.95)
+    stop: tuple[str, ...] = _field(_check_stop_strings, ())
+    stream: bool = _field(_check_boolean, False)
 
     def _validate(self) -> None:
         if self.model is None and self.session_id is None:
@@ -201,58 +352,74 @@ class InferRequest(_Message):
 @dataclass(frozen=True)
 class StreamToken(_Message):
     """One generated token of a streaming task; ``timestamp`` in seconds since the epoch."""
+
     TYPE: ClassVar[str] = "STREAM_TOKEN"
-    task_id: str = _f(_ident)
-    text: str = _f(_text)
-    token_id: int = _f(_COUNT)
-    timestamp: float = _f(_num(0.0, math.inf))
-    logprob: float | None = _f(_num(-math.inf, 0.0), None)
+    task_id: str = _field(_check_identifier)
+    text: str = _field(_check_text)
+    token_id: int = _field(_check_count)
+    timestamp: float = _field(_check_non_negative)
+    logprob: float | None = _field(_check_logprob, None)
 
 
 @dataclass(frozen=True)
 class Heartbeat(_Message):
     """The task is alive but produced no token for a while."""
+
     TYPE: ClassVar[str] = "HEARTBEAT"
-    task_id: str = _f(_ident)
-    timestamp: float | None = _f(_num(0.0, math.inf), None)
+    task_id: str = _field(_check_identifier)
+    timestamp: float | None = _field(_check_non_negative, None)
 
 
 @dataclass(frozen=True)
 class TaskComplete(_Message):
-    """A result; ``timings``: name -> number >= 0 (``ttft_ms``...), ``stats``: free JSON (plan, threads...)."""
+    """A result; ``timings``: name -> number >= 0 (``ttft_ms``...), ``stats``: free JSON (plan, threads...).
+
+    ``tool_call`` is present exactly when ``stop_reason`` is ``"tool_call"``: a ``"tool_call"`` stop without a
+    ``tool_call``, and a ``tool_call`` with another stop reason, are both refused with ``field == "tool_call"``.
+    """
+
     TYPE: ClassVar[str] = "TASK_COMPLETE"
-    task_id: str = _f(_ident)
-    text: str = _f(_text)
-    usage: Usage = _f(_record(Usage))
-    stop_reason: str = _f(_rule(lambda v: v in STOP_REASONS, f"must be one of {list(STOP_REASONS)}"))
-    timings: dict[str, float] = _f(_timings, {})
-    tool_call: ToolCall | None = _f(_record(ToolCall), None)
-    stats: dict[str, Any] = _f(_json(dict), {})
+    task_id: str = _field(_check_identifier)
+    text: str = _field(_check_text)
+    usage: Usage = _field(_record(Usage))
+    stop_reason: str = _field(_one_of(STOP_REASONS))
+    timings: dict[str, float] = _field(_check_timings, default_factory=dict)
+    tool_call: ToolCall | None = _field(_record(ToolCall), None)
+    stats: dict[str, Any] = _field(_check_json_object, default_factory=dict)
+
+    def _validate(self) -> None:
+        if self.stop_reason == "tool_call" and self.tool_call is None:
+            _fail("tool_call", "required when stop_reason is 'tool_call'")
+        if self.stop_reason != "tool_call" and self.tool_call is not None:
+            _fail("tool_call", "only allowed when stop_reason is 'tool_call'")
 
 
 @dataclass(frozen=True)
 class Cancel(_Message):
     """Stop the task ``task_id``."""
+
     TYPE: ClassVar[str] = "CANCEL"
-    task_id: str = _f(_ident)
+    task_id: str = _field(_check_identifier)
 
 
 @dataclass(frozen=True)
 class ProtocolInfoRequest(_Message):
     """PROTOCOL_INFO with no fields: ask the server what it speaks."""
+
     TYPE: ClassVar[str] = "PROTOCOL_INFO"
 
 
 @dataclass(frozen=True)
 class ProtocolInfo(_Message):
     """The server's PROTOCOL_INFO reply."""
+
     TYPE: ClassVar[str] = "PROTOCOL_INFO"
-    version: int = _f(_U16)
-    supported_versions: tuple[int, ...] = _f(_seq(_U16, 64, non_empty=True))
-    schema: str = _f(_ident)
-    max_frame_bytes: int = _f(_U32)
-    server: str = _f(_ident)
-    server_version: str = _f(_ident)
+    version: int = _field(_check_uint16)
+    supported_versions: tuple[int, ...] = _field(_check_supported_versions)
+    schema: str = _field(_check_identifier)
+    max_frame_bytes: int = _field(_check_uint32)
+    server: str = _field(_check_identifier)
+    server_version: str = _field(_check_identifier)
 
     def _validate(self) -> None:
         if self.version not in self.supported_versions:
@@ -262,36 +429,74 @@ class ProtocolInfo(_Message):
 @dataclass(frozen=True)
 class ErrorMessage(_Message):
     """A P4 error for task ``task_id`` (None: the connection); build with :meth:`of`."""
+
     TYPE: ClassVar[str] = "ERROR"
-    error: ErrorBody = _f(_record(ErrorBody))
-    task_id: str | None = _f(_ident, None)
+    error: ErrorBody = _field(_record(ErrorBody))
+    task_id: str | None = _field(_check_identifier, None)
 
     @classmethod
     def of(cls, error: ApplianceError, task_id: str | None = None) -> ErrorMessage:
-        return cls(ErrorBody(error.code, error.message, error.retryable, dict(error.details)), task_id)
+        body = ErrorBody(error.code, error.message, error.retryable, dict(error.details))
+        return cls(body, task_id)
 
 
-Message = (TaskStart | InferRequest | StreamToken | Heartbeat | TaskComplete | Cancel | ProtocolInfoRequest
-           | ProtocolInfo | ErrorMessage)
-MESSAGE_TYPES: dict[str, type[_Message]] = {c.TYPE: c for c in (
-    TaskStart, InferRequest, StreamToken, Heartbeat, TaskComplete, Cancel, ProtocolInfo, ErrorMessage)}
+Message = (
+    TaskStart
+    | InferRequest
+    | StreamToken
+    | Heartbeat
+    | TaskComplete
+    | Cancel
+    | ProtocolInfoRequest
+    | ProtocolInfo
+    | ErrorMessage
+)
+
+MESSAGE_TYPES: dict[str, type[_Message]] = {
+    "TASK_START": TaskStart,
+    "INFER_REQUEST": InferRequest,
+    "STREAM_TOKEN": StreamToken,
+    "HEARTBEAT": Heartbeat,
+    "TASK_COMPLETE": TaskComplete,
+    "CANCEL": Cancel,
+    "PROTOCOL_INFO": ProtocolInfo,  # or ProtocolInfoRequest when it has no fields: see parse_message
+    "ERROR": ErrorMessage,
+}
+"""The message class of each payload ``type``."""
 
 
 def parse_message(payload: dict[str, Any]) -> Message:
-    """The message for a received payload, or a non-fatal :class:`RemoteProtocolError` (BAD_PAYLOAD) whose
-    ``task_id`` is the payload's (if valid) and whose ``details`` hold ``field``, ``reason`` and ``type``."""
-    kind, task_id = (payload.get("type"), payload.get("task_id")) if isinstance(payload, dict) else (None, None)
-    task_id = task_id if _is_id(task_id) else None
+    """The message for a received payload, or a non-fatal :class:`RemoteProtocolError` (BAD_PAYLOAD).
+
+    The error's ``task_id`` is the payload's (if valid) and its ``details`` hold ``field``, ``reason`` and
+    ``type``.
+    """
+    kind = None
+    task_id = None
+    if isinstance(payload, dict):
+        kind = payload.get("type")
+        task_id = payload.get("task_id")
+    if not _is_identifier(task_id):
+        task_id = None
     try:
-        cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-        if cls is None:
-            _fail("type", "unknown message type" if isinstance(payload, dict) else "payload is not an object")
-        if cls is ProtocolInfo and payload.keys() == {"type"}:
-            return ProtocolInfoRequest()
-        return _build(cls, {k: v for k, v in payload.items() if k != "type"}, "")
+        return _parse(payload, kind)
     except LocalProtocolError as exc:
-        raise RemoteProtocolError("BAD_PAYLOAD", exc.error.message, task_id=task_id, fatal=False,
-                                  details={**exc.error.details, "type": kind}) from None
+        details = {**exc.error.details, "type": kind}
+        raise RemoteProtocolError("BAD_PAYLOAD", exc.error.message, details=details, task_id=task_id,
+                                  fatal=False) from None
+
+
+def _parse(payload: Any, kind: Any) -> Message:
+    """:func:`parse_message` with :class:`LocalProtocolError` for what is wrong."""
+    if not isinstance(payload, dict):
+        _fail("type", "payload is not an object")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        _fail("type", "unknown message type")
+    if cls is ProtocolInfo and payload.keys() == {"type"}:
+        return ProtocolInfoRequest()
+    data = {key: value for key, value in payload.items() if key != "type"}
+    return _build(cls, data, "")
 
 
 def encode_message(message: Message, *, version: int = VERSION, max_frame_bytes: int | None = None) -> bytes:

@@ -12,8 +12,10 @@ import threading
 from typing import Any
 
 from appliance.daemon.core import Daemon
-from appliance.errors import ApplianceError, internal
+from appliance.engine.interface import GREEDY
+from appliance.errors import ApplianceError
 from appliance.protocol import lines
+from appliance.server import outcome
 from appliance.server.peer import peer_gone
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,9 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
         return lines.format_reply("UNREGISTER", [{"ledger_allocated_bytes": daemon.ledger.allocated}],
                                   agent_id=command.agent)
     assert name == "DECODE" and command.n_tokens is not None
-    result = await daemon.decode(command.agent, command.n_tokens, command.prompt, cancel=cancel)
+    result = await outcome.generate(daemon, prompt=command.prompt, max_tokens=command.n_tokens, sampling=GREEDY,
+                                    session_id=command.agent, cancel=cancel)
     gen = result.generation
-    if gen.stop_reason == "cancelled":
-        raise ApplianceError("CANCELLED", "the client went away", {"generated_tokens": gen.generated_tokens})
     return lines.format_reply("DECODE", [
         {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
          "stopped_on_eos": gen.stopped_on_eos},
@@ -140,11 +141,8 @@ class LineSession:
                 self.writer.write(lines.format_error(error).encode())
                 raise
             return job.result()
-        except ApplianceError as exc:
-            return lines.format_error(exc)
         except Exception as exc:  # never let one request take the daemon down
-            log.exception("line command failed")
-            return lines.format_error(internal(exc))
+            return lines.format_error(outcome.error_of(exc))
 
     async def watch(self, job: asyncio.Future[str], cancel: threading.Event) -> None:
         """Wait for ``job`` while reading ahead (pipelined lines are kept, up to :data:`READ_AHEAD_BYTES`).

@@ -1,68 +1,102 @@
-"""One MAGN connection (SPEC P1–P5): frames in, daemon calls, frames out.
+"""The server side of one MAGN connection (SPEC P1–P5): bytes in, daemon calls, bytes out.
 
-The codec is :mod:`appliance.protocol.frames` / :mod:`appliance.protocol.messages` (sans-IO); this is the IO shell. Several
-tasks may run at once on one connection, each keyed by its client-chosen ``task_id``. A task that produces
-no token for ``heartbeat_interval_s`` sends HEARTBEAT frames; CANCEL or the client going away stops its
-generation at the next token.
+The conversation rules (framing, who sends what, tasks in flight, duplicate ``task_id``, late CANCEL) are the sans-IO
+:class:`~appliance.protocol.connection.Connection`; how a generation ends is :mod:`appliance.server.outcome`; the
+streaming of its tokens and heartbeats is :class:`~appliance.server.pump.TokenPump`. This module is the IO shell
+that joins them to the socket and the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 from appliance import __version__
-from appliance.protocol import messages as m
 from appliance.daemon.core import Daemon, DecodeResult
-from appliance.engine.runtime import Sampling, Token
-from appliance.errors import ApplianceError, internal
-from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, SUPPORTED_VERSIONS, VERSION, FrameParser, RemoteProtocolError
-from appliance.server.peer import peer_gone
 from appliance.engine.chat import render_chat
+from appliance.engine.interface import Sampling, Token
+from appliance.errors import ApplianceError
+from appliance.protocol import messages as m
+from appliance.protocol.connection import CLOSED, NEED_DATA, SERVER, Connection
+from appliance.protocol.frames import HEADER, MAGIC, SUPPORTED_VERSIONS, VERSION, Frame, RemoteProtocolError
+from appliance.server.outcome import error_of, generate
+from appliance.server.peer import peer_gone
+from appliance.server.pump import TokenPump
 
 log = logging.getLogger(__name__)
 
+READ_BYTES = 1 << 16
+
 
 def error_frame(error: ApplianceError, task_id: str | None) -> bytes:
+    """An ERROR frame outside any session (the listener refusing a connection)."""
     return m.encode_message(m.ErrorMessage.of(error, task_id))
 
 
 @dataclass(eq=False)
 class Task:
+    """One INFER_REQUEST in flight: its request, the event that stops its generation, and the job running it."""
+
     request: m.InferRequest
     cancel: threading.Event = field(default_factory=threading.Event)
     job: asyncio.Task[None] | None = None
 
 
 class MagnSession:
+    """One client's MAGN connection on the server.
+
+    It owns the :class:`~appliance.protocol.connection.Connection` (SERVER role: the parser, the rules, the tasks in
+    flight), the :class:`Task` (job and cancel event) of each INFER_REQUEST in flight, keyed by ``task_id``, and the
+    writing side of the socket; the agents it registers with TASK_START are owned by ``writer`` in the daemon (the
+    listener releases them when the connection ends). It owns no configuration: ``max_frame_bytes`` and
+    ``heartbeat_interval_s`` are read from ``daemon.config`` when used, so a reloaded config applies at once.
+
+    Several tasks may run at once, each an asyncio job; CANCEL, the client going away or the session ending sets the
+    task's cancel event, which stops its generation at the next token.
+    """
+
     def __init__(self, daemon: Daemon, writer: asyncio.StreamWriter) -> None:
         self.daemon = daemon
         self.writer = writer
-        config = daemon.config
-        self.max_frame_bytes = config.max_frame_bytes
-        self.heartbeat_s = config.heartbeat_interval_s
+        self.conn = Connection(SERVER, max_frame_bytes=daemon.config.max_frame_bytes, on_frame=self._log_in)
         self.tasks: dict[str, Task] = {}
 
-    def send(self, message: m.Message) -> None:
-        data = m.encode_message(message)
+    # -- sending ----------------------------------------------------------------------------------------------------
+
+    def encode(self, message: m.Message) -> bytes:
+        """``message``'s frame, checked by the connection's rules (and logged at DEBUG)."""
+        data = self.conn.send(message)
         if log.isEnabledFor(logging.DEBUG):
             magic, version, length = HEADER.unpack_from(data)
             log.debug("MAGN out magic=%#x version=%d length=%d %s", magic, version, length, message.to_payload())
+        return data
+
+    def send(self, message: m.Message) -> None:
+        data = self.encode(message)
         if not self.writer.is_closing():
             self.writer.write(data)
 
+    @staticmethod
+    def _log_in(frame: Frame, length: int) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("MAGN in magic=%#x version=%d length=%d %s", MAGIC, frame.version, length, frame.payload)
+
+    # -- receiving --------------------------------------------------------------------------------------------------
+
     async def serve(self, reader: asyncio.StreamReader, initial: bytes) -> None:
-        parser = FrameParser(self.max_frame_bytes)
-        parser.receive_data(initial)
+        """Read and answer messages until the client ends its stream, goes away, or breaks the framing."""
+        if initial:
+            self.conn.receive_data(initial)
         try:
             while True:
+                self.conn.max_frame_bytes = self.daemon.config.max_frame_bytes
                 try:
-                    event = parser.next_event()
+                    event = self.conn.next_event()
                 except RemoteProtocolError as exc:
                     self.send(m.ErrorMessage.of(exc.error, exc.task_id))
                     await self.writer.drain()
@@ -70,25 +104,15 @@ class MagnSession:
                         return
                     continue
                 if event is NEED_DATA:
-                    chunk = await reader.read(1 << 16)
-                    parser.receive_data(chunk)
+                    chunk = await reader.read(READ_BYTES)
+                    self.conn.receive_data(chunk)
                     if not chunk and peer_gone(self.writer):
                         return  # the client died: the finally below cancels its tasks (R3)
                     continue
-                if not hasattr(event, "payload"):  # CLOSED: the client finished sending
+                if event is CLOSED:  # the client finished sending: answer what it asked, then end
                     await self._finish_tasks()
                     return
-                if event.version not in SUPPORTED_VERSIONS:  # the parser refuses these; belt and braces
-                    return
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("MAGN in magic=%#x version=%d length=%d %s", MAGIC, event.version, parser.last_length,
-                              event.payload)
-                try:
-                    message = m.parse_message(event.payload)
-                except RemoteProtocolError as exc:
-                    self.send(m.ErrorMessage.of(exc.error, exc.task_id))
-                    continue
-                await self.dispatch(message)
+                await self.dispatch(event)
                 await self.writer.drain()
         finally:
             for task in self.tasks.values():
@@ -101,27 +125,20 @@ class MagnSession:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def dispatch(self, message: m.Message) -> None:
+        """Act on one message the connection accepted (so a client-to-server type, within the rules)."""
         if isinstance(message, m.ProtocolInfoRequest):
-            self.send(m.ProtocolInfo(VERSION, tuple(sorted(SUPPORTED_VERSIONS)), m.SCHEMA, self.max_frame_bytes,
-                                     "appliance", __version__))
+            self.send(m.ProtocolInfo(VERSION, tuple(sorted(SUPPORTED_VERSIONS)), m.SCHEMA,
+                                     self.daemon.config.max_frame_bytes, "appliance", __version__))
         elif isinstance(message, m.TaskStart):
             await self.start(message)
         elif isinstance(message, m.InferRequest):
-            if message.task_id in self.tasks:
-                self.send(m.ErrorMessage.of(ApplianceError(
-                    "BAD_REQUEST", "task_id already in flight on this connection", {"task_id": message.task_id}),
-                    message.task_id))
-                return
-            task = self.tasks[message.task_id] = Task(message)
+            task = Task(message)
+            self.tasks[message.task_id] = task
             task.job = asyncio.create_task(self.infer(task))
         elif isinstance(message, m.Cancel):
-            task = self.tasks.get(message.task_id)
-            if task is not None:  # a CANCEL racing the task's end is ignored (the task already answered)
+            task = self.tasks.get(message.task_id)  # the connection drops late CANCELs: this is a task in flight
+            if task is not None:
                 task.cancel.set()
-        else:
-            self.send(m.ErrorMessage.of(ApplianceError(
-                "BAD_PAYLOAD", f"{message.TYPE} is sent by the server, not to it", {"type": message.TYPE}),
-                getattr(message, "task_id", None)))
 
     async def start(self, message: m.TaskStart) -> None:
         try:
@@ -131,71 +148,44 @@ class MagnSession:
             return
         self.send(m.TaskStart(message.task_id, message.session_id, message.model, message.tools, "started"))
 
+    # -- one INFER_REQUEST ------------------------------------------------------------------------------------------
+
     async def infer(self, task: Task) -> None:
         request = task.request
-        loop = asyncio.get_running_loop()
-        pending: collections.deque[Token] = collections.deque()
-        scheduled = False
-        last = time.monotonic()
-
-        def flush() -> None:  # on the loop: every token the engine produced so far, in one write
-            nonlocal scheduled, last
-            scheduled = False
-            if pending:
-                frames = []
-                while pending:
-                    token = pending.popleft()
-                    frames.append(m.encode_message(m.StreamToken(request.task_id, token.text, token.id,
-                                                                 token.timestamp)))
-                if self.writer.is_closing():
-                    task.cancel.set()  # nobody is listening any more: stop at the next token
-                else:
-                    self.writer.write(b"".join(frames))
-                last = time.monotonic()
-
-        def on_token(token: Token) -> None:  # called on the engine thread
-            nonlocal scheduled
-            pending.append(token)
-            if not scheduled:
-                scheduled = True
-                loop.call_soon_threadsafe(flush)
-
-        def beat() -> None:  # HEARTBEAT when no token came for the interval
-            nonlocal last, timer
-            now = time.monotonic()
-            if now - last >= self.heartbeat_s:
-                self.send(m.Heartbeat(request.task_id, time.time()))
-                last = now
-            timer = loop.call_at(loop.time() + self.heartbeat_s - (now - last), beat)
-
-        timer = loop.call_later(self.heartbeat_s, beat)
+        task_id = request.task_id
+        pump = TokenPump(asyncio.get_running_loop(), functools.partial(self._deliver, task_id), cancel=task.cancel,
+                         heartbeat=functools.partial(self._heartbeat, task_id),
+                         heartbeat_interval_s=self._heartbeat_interval_s)
         prompt = request.prompt if request.prompt is not None else render_chat(request.messages or ())
         sampling = Sampling(temperature=request.temperature, top_p=request.top_p, stop=request.stop)
         try:
-            if request.session_id is not None:
-                result = await self.daemon.decode(request.session_id, request.max_tokens, prompt, sampling,
-                                                  on_token if request.stream else None, task.cancel)
-            else:
-                assert request.model is not None
-                result = await self.daemon.complete(request.model, request.max_tokens, prompt, sampling,
-                                                    on_token if request.stream else None, task.cancel)
-            if result.generation.stop_reason == "cancelled":
-                done = {"completion_tokens": result.generation.generated_tokens}
-                if self.daemon.closing:
-                    raise ApplianceError("SHUTTING_DOWN", "the appliance is stopping", done)
-                raise ApplianceError("CANCELLED", "the task was cancelled", done)
-            flush()
-            self.send(completion(request.task_id, result))
-        except ApplianceError as exc:
-            self.send(m.ErrorMessage.of(exc, request.task_id))
-        except Exception as exc:
-            log.exception("MAGN task failed")
-            self.send(m.ErrorMessage.of(internal(exc), request.task_id))
+            try:
+                with pump:  # on exit every token is delivered: nothing can follow the end
+                    result = await generate(self.daemon, prompt=prompt, max_tokens=request.max_tokens,
+                                            sampling=sampling, session_id=request.session_id, model=request.model,
+                                            on_token=pump.on_token if request.stream else None, cancel=task.cancel)
+                end: m.Message = completion(task_id, result)
+            except Exception as exc:
+                end = m.ErrorMessage.of(error_of(exc), task_id)
+            self.send(end)
         finally:
-            timer.cancel()
-            self.tasks.pop(request.task_id, None)
+            self.tasks.pop(task_id, None)
             with contextlib.suppress(ConnectionError):
                 await self.writer.drain()
+
+    def _deliver(self, task_id: str, tokens: list[Token]) -> bool:
+        """The pump's sink: one write of STREAM_TOKEN frames; False once the client is gone."""
+        if self.writer.is_closing():
+            return False
+        frames = [self.encode(m.StreamToken(task_id, token.text, token.id, token.timestamp)) for token in tokens]
+        self.writer.write(b"".join(frames))
+        return True
+
+    def _heartbeat(self, task_id: str) -> None:
+        self.send(m.Heartbeat(task_id, time.time()))
+
+    def _heartbeat_interval_s(self) -> float:
+        return self.daemon.config.heartbeat_interval_s
 
 
 STOP_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

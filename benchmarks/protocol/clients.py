@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance.protocol import messages as m
 from appliance.client import AsyncMagnClient, MagnClient
+from appliance.protocol import messages as m
 from appliance.protocol.frames import CLOSED, NEED_DATA, FrameParser
 from benchmarks.protocol.workload import Contender, Sample, http_request, magn_request
 

@@ -1,0 +1,144 @@
+"""What the daemon needs from an engine, and the plain data it passes through one. Pure: no asyncio, no llama.cpp.
+
+Two engines implement these :class:`typing.Protocol` s: the real one (:class:`appliance.engine.runtime.Engine`, whose
+loads are llama.cpp :class:`~appliance.engine.runtime.Runtime` s) and the fake one for tests
+(:class:`appliance.engine.fake.FakeEngine`). :class:`~appliance.daemon.core.Daemon` is typed against the Protocols
+only, so a test can run the whole daemon without a model.
+
+Threading contract: an engine runs every job on one worker thread of its own. :meth:`EngineProtocol.submit`
+queues a job there and returns an awaitable for the event loop; a :class:`RuntimeProtocol` is only ever touched
+from inside such a job (the daemon wraps ``attach``/``generate``/``detach``/``close`` in ``submit``/``call``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+Where = Literal["empty", "device", "host"]
+"""Where a conversation's KV state is: nowhere yet, in the live context, or parked in host RAM."""
+StopReason = Literal["eos", "length", "stop", "cancelled"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 40
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    tokens: tuple[int, ...]
+    prompt_tokens: int
+    stop_reason: StopReason
+    elapsed_s: float
+    ttft_s: float | None
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def stopped_on_eos(self) -> bool:
+        return self.stop_reason == "eos"
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token as streamed to a client."""
+
+    id: int
+    text: str
+    index: int
+    timestamp: float
+
+
+@dataclass(eq=False)
+class Conversation:
+    """An agent's conversation: its tokens and, while suspended, its KV state in host RAM."""
+
+    tokens: list[int] = field(default_factory=list)
+    n_evaluated: int = 0
+    where: Where = "empty"
+    buffer: bytearray | None = None
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """What :meth:`RuntimeProtocol.attach` did: the conversation it parked in host RAM, and whether the attached
+    one came back from host RAM."""
+
+    evicted: Conversation | None
+    restored: bool
+
+
+class RuntimeProtocol(Protocol):
+    """One loaded model with one live context that the conversations of its agents take turns in.
+
+    Every method runs on the engine's worker thread.
+    """
+
+    @property
+    def n_ctx(self) -> int:
+        """The context length in tokens; a generation that would exceed it raises ``CONTEXT_OVERFLOW``."""
+        ...
+
+    @property
+    def live(self) -> Conversation | None:
+        """The conversation whose KV state is in the context now."""
+        ...
+
+    def attach(self, conv: Conversation) -> SwapReport:
+        """Make ``conv`` the live conversation, parking the previous one's KV state in host RAM."""
+        ...
+
+    def detach(self, conv: Conversation) -> None:
+        """Forget ``conv`` (its agent left, or a stateless request ended); its host buffer is dropped."""
+        ...
+
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
+                 on_token: Callable[[Token], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
+        """Continue the attached ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens, calling ``on_token``
+        for each and asking ``cancelled`` before each (``stop_reason="cancelled"`` when it says so)."""
+        ...
+
+    def close(self) -> None:
+        """Free the model and its context."""
+        ...
+
+
+class EngineProtocol(Protocol):
+    """The worker thread of a device and the loader of models onto it."""
+
+    @property
+    def n_threads(self) -> int:
+        """CPU threads the models it loads use (fixed at construction: a change needs a new engine)."""
+        ...
+
+    def submit(self, fn: Callable[[], Any]) -> Awaitable[Any]:
+        """Queue ``fn`` on the worker thread (call from the event loop); awaiting the result gives its value.
+        Cancelling the awaitable does not stop a job that already runs."""
+        ...
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """``submit`` of ``fn(*args, **kwargs)``."""
+        ...
+
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> RuntimeProtocol:
+        """Load a model on the calling thread (use through :meth:`call`); raises ``MODEL_LOAD_FAILED``."""
+        ...
+
+    def close(self) -> None:
+        """Stop the worker thread once its queued jobs ran (loaded runtimes must be closed before)."""
+        ...

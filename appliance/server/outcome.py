@@ -1,0 +1,59 @@
+"""How a generation request ends, decided once for every surface (MAGN, the line protocol, HTTP).
+
+* :func:`generate` runs one request: in an agent's session (``session_id``: its conversation goes on) or stateless on
+  a model, and turns a generation that stopped as cancelled into its error (below).
+* :func:`cancelled_error`: a generation that stopped as ``"cancelled"`` is ``SHUTTING_DOWN`` while the daemon is
+  closing (the daemon cancelled it), else ``CANCELLED`` (the client did); ``details["completion_tokens"]`` is the
+  number of tokens generated before it stopped.
+* :func:`error_of`: any exception a request raised as the P4 error to send (unexpected ones are logged and become
+  ``INTERNAL``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from appliance.daemon.core import Daemon, DecodeResult
+from appliance.engine.interface import Generation, Sampling, Token
+from appliance.errors import ApplianceError, internal
+
+log = logging.getLogger(__name__)
+
+
+def cancelled_error(generation: Generation, *, closing: bool) -> ApplianceError | None:
+    """The error for a generation that stopped as cancelled (None if it did not): SHUTTING_DOWN if the daemon is
+    ``closing``, else CANCELLED; ``details = {"completion_tokens": <tokens generated>}``."""
+    if generation.stop_reason != "cancelled":
+        return None
+    details = {"completion_tokens": generation.generated_tokens}
+    if closing:
+        return ApplianceError("SHUTTING_DOWN", "the appliance is stopping", details)
+    return ApplianceError("CANCELLED", "the task was cancelled", details)
+
+
+def error_of(exc: Exception) -> ApplianceError:
+    """``exc`` as a P4 error: an :class:`ApplianceError` as it is, anything else logged and wrapped as INTERNAL."""
+    if isinstance(exc, ApplianceError):
+        return exc
+    log.exception("request failed", exc_info=exc)
+    return internal(exc)
+
+
+async def generate(daemon: Daemon, *, prompt: str, max_tokens: int, sampling: Sampling,
+                   session_id: str | None = None, model: str | None = None,
+                   on_token: Callable[[Token], None] | None = None,
+                   cancel: threading.Event | None = None) -> DecodeResult:
+    """Generate ``max_tokens`` at most after ``prompt``: in the agent session ``session_id`` if given, else
+    stateless on ``model``. Raises :class:`ApplianceError`, including :func:`cancelled_error`'s."""
+    if session_id is not None:
+        result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel)
+    elif model is not None:
+        result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel)
+    else:
+        raise ApplianceError("BAD_REQUEST", "one of model or session_id is required")
+    error = cancelled_error(result.generation, closing=daemon.closing)
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,115 @@
+"""The token pump: generated tokens from the engine thread to a connection on the event loop.
+
+Every surface that streams a generation (the MAGN session now, OpenAI server-sent events next) needs the same three
+things, which :class:`TokenPump` does once:
+
+* batching: the engine thread calls :meth:`TokenPump.on_token` for each token; the tokens are queued and delivered on
+  the event loop by one call of ``sink(tokens)`` for all that arrived since the last delivery (one write, not one per
+  token);
+* heartbeats: when no token was delivered for the heartbeat interval, ``heartbeat()`` is called on the loop (the
+  interval is read at each arming, so a reloaded config applies to running generations);
+* cancellation: when ``sink`` answers False (nobody listens any more: the writer is closing), the pump sets the
+  generation's ``cancel`` event, so that the engine stops at its next token, and drops what comes after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.engine.interface import Token
+
+Sink = Callable[[list["Token"]], bool]
+"""Delivers a batch of tokens on the loop; returns False when the receiver is gone (the generation is cancelled)."""
+
+
+class TokenPump:
+    """Carries one generation's tokens from the engine thread to ``sink`` on ``loop``, with heartbeats.
+
+    It owns the queue of tokens not yet delivered, the heartbeat timer and the time of the last delivery; ``cancel``
+    belongs to the generation (the pump only sets it). Use it as a context manager around the generation (or call
+    :meth:`start` and :meth:`finish`): on exit everything queued is delivered and the heartbeats stop, so that the
+    caller can send the final message knowing that no token or heartbeat can follow it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sink: Sink, *, cancel: threading.Event,
+                 heartbeat: Callable[[], None] | None = None,
+                 heartbeat_interval_s: Callable[[], float] | None = None) -> None:
+        self.loop = loop
+        self.sink = sink
+        self.cancel = cancel
+        self.heartbeat = heartbeat
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.delivered = 0  # tokens handed to the sink
+        self._pending: collections.deque[Token] = collections.deque()
+        self._scheduled = False  # a delivery is scheduled on the loop
+        self._finished = False
+        self._gone = False  # the sink said nobody listens any more
+        self._last = time.monotonic()  # of the last delivery or heartbeat
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> TokenPump:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def start(self) -> None:
+        """On the loop: arm the heartbeat timer (if there is a heartbeat)."""
+        self._last = time.monotonic()
+        if self.heartbeat is not None and self.heartbeat_interval_s is not None:
+            self._timer = self.loop.call_later(self.heartbeat_interval_s(), self._beat)
+
+    def on_token(self, token: Token) -> None:
+        """On the engine thread: queue ``token`` and make sure a delivery is scheduled on the loop."""
+        if self._finished:
+            return
+        self._pending.append(token)
+        if not self._scheduled:
+            self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can receive it anyway
+                self.loop.call_soon_threadsafe(self._deliver)
+
+    def finish(self) -> None:
+        """On the loop: deliver what is queued, stop the heartbeats; later tokens are dropped."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._deliver()
+        self._finished = True
+
+    def _deliver(self) -> None:
+        """On the loop: every token queued so far, in one call of the sink."""
+        self._scheduled = False  # before draining: a token queued from now on schedules another delivery
+        if self._finished or not self._pending:
+            return
+        tokens = []
+        while self._pending:
+            tokens.append(self._pending.popleft())
+        if self._gone:
+            return
+        if not self.sink(tokens):
+            self._gone = True
+            self.cancel.set()  # nobody is listening any more: stop at the next token
+            return
+        self.delivered += len(tokens)
+        self._last = time.monotonic()
+
+    def _beat(self) -> None:
+        """On the loop: a heartbeat if nothing was delivered for the interval; then re-arm."""
+        assert self.heartbeat is not None and self.heartbeat_interval_s is not None
+        if self._finished:
+            return
+        interval = self.heartbeat_interval_s()
+        now = time.monotonic()
+        if now - self._last >= interval:
+            self.heartbeat()
+            self._last = now
+        self._timer = self.loop.call_at(self.loop.time() + interval - (now - self._last), self._beat)

@@ -2,8 +2,8 @@
 
 One agent's 2k-token context on a 12-layer, 768-wide f16 model is evicted to host RAM and restored with
 :meth:`appliance.engine.runtime.Runtime.save` / :meth:`~appliance.engine.runtime.Runtime.restore`
-(llama.cpp's per-sequence state API into a reusable host buffer). In the same run, interleaved round by round so that a noisy machine
-hurts every contender alike, it times:
+(llama.cpp's per-sequence state API into a reusable host buffer). In the same run, interleaved round by
+round so that a noisy machine hurts every contender alike, it times:
 
 * a plain memory copy of the same number of bytes between two preallocated buffers (``numpy.copyto`` and
   ``ctypes.memmove``; the faster median is the baseline, which is the conservative choice);

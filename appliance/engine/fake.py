@@ -30,6 +30,7 @@ from appliance.engine.interface import (
     Conversation,
     EngineProtocol,
     Generation,
+    LiveSlot,
     RuntimeProtocol,
     Sampling,
     StopReason,
@@ -154,7 +155,7 @@ def piece(token: int) -> str:
     return "" if token in (BOS, EOS) else chr(token)
 
 
-class FakeRuntime:
+class FakeRuntime(LiveSlot):
     """A loaded fake model; implements :class:`~appliance.engine.interface.RuntimeProtocol`.
 
     Its "KV cache" is the list of tokens it evaluated for the live conversation; a swap copies it into the
@@ -203,31 +204,17 @@ class FakeRuntime:
         conv.n_evaluated = len(self.kv)
         self.restores += 1
 
+    def clear(self) -> None:
+        self.kv = []
+
     def attach(self, conv: Conversation) -> SwapReport:
         self._check()
-        if self.live is conv:
-            return SwapReport(None, False)
-        evicted = self.live
-        if evicted is not None:
-            self.save(evicted)
-        restored = conv.where == "host"
-        if restored:
-            self.restore(conv)
-        else:
-            self.kv = []
-            conv.n_evaluated = 0
-        conv.where = "device"
-        self.live = conv
-        return SwapReport(evicted, restored)
+        return super().attach(conv)
 
     def detach(self, conv: Conversation) -> None:
         self._check()
-        if self.live is conv:
-            self.kv = []
-            self.live = None
-        conv.buffer = None
-        conv.nbytes = 0
-        conv.where = "empty"
+        super().detach(conv)
+
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,

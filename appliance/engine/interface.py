@@ -82,6 +82,49 @@ class SwapReport:
     restored: bool
 
 
+class LiveSlot:
+    """The KV-swap bookkeeping every runtime shares: one conversation is live in the context, the others wait
+    in host RAM. A runtime provides :meth:`save` (live KV -> the conversation's host buffer), :meth:`restore`
+    (host buffer -> the context) and :meth:`clear` (forget the context's cells)."""
+
+    live: Conversation | None = None
+
+    def save(self, conv: Conversation) -> None:
+        raise NotImplementedError
+
+    def restore(self, conv: Conversation) -> None:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def attach(self, conv: Conversation) -> SwapReport:
+        """Make ``conv`` the live conversation, parking the previous one in host RAM."""
+        if self.live is conv:
+            return SwapReport(None, False)
+        evicted = self.live
+        if evicted is not None:
+            self.save(evicted)
+        restored = conv.where == "host"
+        if restored:
+            self.restore(conv)
+        else:
+            self.clear()
+            conv.n_evaluated = 0
+        conv.where = "device"
+        self.live = conv
+        return SwapReport(evicted, restored)
+
+    def detach(self, conv: Conversation) -> None:
+        """Forget a conversation (its agent left); its host buffer is dropped."""
+        if self.live is conv:
+            self.clear()
+            self.live = None
+        conv.buffer = None
+        conv.nbytes = 0
+        conv.where = "empty"
+
+
 class RuntimeProtocol(Protocol):
     """One loaded model with one live context that the conversations of its agents take turns in.
 

@@ -24,6 +24,7 @@ from appliance.engine.interface import (  # re-exported: importers of these from
     GREEDY,
     Conversation,
     Generation,
+    LiveSlot,
     Sampling,
     StopReason,
     SwapReport,
@@ -36,7 +37,7 @@ __all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Samplin
            "Token", "Where"]
 
 
-class Runtime:
+class Runtime(LiveSlot):
     """One loaded model with one live context, shared by the conversations of every agent on it
     (implements :class:`~appliance.engine.interface.RuntimeProtocol`)."""
 
@@ -109,32 +110,6 @@ class Runtime:
         n_ctx-cell cache) would cost a full-cache memset per swap or stateless request."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), False)
         self.llm.n_tokens = 0
-
-    def attach(self, conv: Conversation) -> SwapReport:
-        """Make ``conv`` the live conversation, parking the previous one in host RAM."""
-        if self.live is conv:
-            return SwapReport(None, False)
-        evicted = self.live
-        if evicted is not None:
-            self.save(evicted)
-        restored = conv.where == "host"
-        if restored:
-            self.restore(conv)
-        else:
-            self.clear()
-            conv.n_evaluated = 0
-        conv.where = "device"
-        self.live = conv
-        return SwapReport(evicted, restored)
-
-    def detach(self, conv: Conversation) -> None:
-        """Forget a conversation (its agent left); its host buffer is dropped."""
-        if self.live is conv:
-            self.clear()
-            self.live = None
-        conv.buffer = None
-        conv.nbytes = 0
-        conv.where = "empty"
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,

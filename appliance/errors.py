@@ -32,6 +32,8 @@ _KINDS = [
     ErrorKind("AGENT_EXISTS", 409, False, "an agent with this id is already registered"),
     ErrorKind("VRAM_LEDGER_DENY", 507, True, "the VRAM ledger has no room for this model"),
     ErrorKind("TOO_MANY_CONNECTIONS", 503, True, "the daemon is at max_connections"),
+    ErrorKind("TOO_MANY_TASKS", 429, True, "the connection is at max_tasks_per_connection"),
+    ErrorKind("HOST_KV_DENY", 507, True, "the host KV budget has no room for this agent's state"),
     ErrorKind("CONTEXT_OVERFLOW", 400, False, "the request does not fit in the model's context"),
     ErrorKind("TIMEOUT", 504, True, "the operation took too long"),
     ErrorKind("OOM", 507, True, "the device ran out of memory"),

@@ -402,6 +402,20 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0.1, maximum=3600,
     ),
     Setting("log_level", STR, "info", "Log verbosity.", choices=_LOG_LEVELS),
+    Setting(
+        "max_tasks_per_connection", INT, 4,
+        "Tasks in flight on one connection; more are refused with TOO_MANY_TASKS.",
+        minimum=1, maximum=1024,
+    ),
+    Setting(
+        "host_kv_budget", VRAM, "auto",
+        "Host RAM for parked agents' KV state; `auto` = a quarter of physical RAM.",
+    ),
+    Setting(
+        "agent_idle_ttl_s", FLOAT, 0,
+        "Unregister an agent that has not decoded for this long; 0 = never.",
+        minimum=0, maximum=31536000,
+    ),
     # socket
     Setting("socket.path", PATH, f"{DATA_DIR_PREFIX}/appliance.sock", "Socket file path.", live=False),
     Setting("socket.mode", MODE, "0660", "Socket permissions (quote it); no bits for others.", live=False),
@@ -409,6 +423,21 @@ SETTINGS: tuple[Setting, ...] = (
         "socket.group", STR, None,
         "Group to own the socket; null = the daemon's group.",
         nullable=True, live=False,
+    ),
+    Setting(
+        "socket.request_timeout_s", FLOAT, 10,
+        "A request line or frame once started must arrive whole within this many seconds.",
+        minimum=0.1, maximum=3600,
+    ),
+    Setting(
+        "socket.idle_timeout_s", FLOAT, 300,
+        "Close a connection with no task running and no bytes received for this long; 0 = never.",
+        minimum=0, maximum=86400,
+    ),
+    Setting(
+        "socket.stall_timeout_s", FLOAT, 10,
+        "A stream whose client stops reading pauses; after this many seconds it is cancelled.",
+        minimum=0.1, maximum=3600,
     ),
     # http
     Setting(
@@ -421,6 +450,11 @@ SETTINGS: tuple[Setting, ...] = (
         "http.api_token", STR, None,
         "Bearer token HTTP requests must carry; null = none (loopback only).",
         nullable=True,
+    ),
+    Setting(
+        "http.keep_alive_timeout_s", FLOAT, 5,
+        "Close an idle keep-alive HTTP connection after this many seconds.",
+        minimum=0.1, maximum=3600,
     ),
     # engine
     Setting(

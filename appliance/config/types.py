@@ -38,6 +38,9 @@ class SocketConfig:
     path: Path
     mode: int
     group: str | None
+    request_timeout_s: float
+    idle_timeout_s: float
+    stall_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class HttpConfig:
     host: str
     port: int
     api_token: str | None
+    keep_alive_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class Config:
     max_frame_bytes: int
     heartbeat_interval_s: float
     log_level: str
+    max_tasks_per_connection: int
+    host_kv_budget: int | None  # None = auto (a quarter of physical RAM)
+    agent_idle_ttl_s: float  # 0 = agents never expire
     engine: EngineConfig
     models: tuple[ModelConfig, ...]
 

@@ -35,7 +35,11 @@ def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: l
         "resync_interval_s": 0,
         "models": [{"name": name, **spec} for name, spec in models.items()],
     }
-    doc.update(extra)
+    for key, value in extra.items():  # a section given as a dict is merged into the one above (socket.path stays)
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            doc[key] = {**doc[key], **value}
+        else:
+            doc[key] = value
     return yaml.safe_dump(doc, sort_keys=False)
 
 

@@ -30,9 +30,12 @@ PURE = [
     "protocol.lines",
     "daemon.ledger",
     "daemon.policy",
+    "daemon.hostkv",
     "engine.chat",
     "engine.gguf_meta",
     "engine.interface",
+    "supervisor.plan",
+    "supervisor.record",
 ]
 
 

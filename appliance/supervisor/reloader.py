@@ -1,0 +1,170 @@
+"""Hot reload (SPEC C3): notice a change, validate, diff, plan, apply, record, one at a time.
+
+:class:`Reloader` is the loop. Triggers (a watcher seeing the file change, SIGHUP, an API call) only *request* a
+reload; requests that arrive while one is being applied are coalesced into the next one, so reloads never overlap
+and a burst of triggers is one reload. Each reload:
+
+1. reads and fully validates the file (off the event loop); an invalid file changes nothing: the problems become
+   the current :attr:`Reloader.problems` (``degraded`` in health and STATUS) until a valid file replaces them;
+2. diffs it against the running config and turns the diff into a :class:`~appliance.supervisor.plan.ReloadPlan`;
+3. hands the plan to the :class:`Applier` (the application object), which carries it out;
+4. records the outcome (:class:`~appliance.supervisor.record.Reload`), logs one line, and tells systemd
+   (RELOADING=1 before, READY=1 after).
+
+The reloader knows the application only through :class:`Applier`, so tests drive it with a fake one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from appliance.config.diff import diff
+from appliance.config.types import Config
+from appliance.config.validate import ConfigInvalid, Problem, load_config
+from appliance.supervisor.notify import Notifier
+from appliance.supervisor.plan import ReloadPlan, plan
+from appliance.supervisor.record import Reload, ReloadHistory, Trigger
+from appliance.supervisor.watch import FileWatcher, PollingWatcher, WatchfilesWatcher
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 2.0
+"""The polling watcher's period: the longest an edit inotify cannot see waits (two looks must agree)."""
+
+
+class Applier(Protocol):
+    """What the reloader needs from the application."""
+
+    @property
+    def config(self) -> Config:
+        """The config running now."""
+        ...
+
+    async def apply(self, new: Config, plan: ReloadPlan) -> str:
+        """Carry out ``plan`` towards ``new``; return what was applied (one line). Raises if it could not."""
+        ...
+
+    def ready_status(self) -> str:
+        """One line for systemd's STATUS= (models loaded, agents, ...)."""
+        ...
+
+
+def load(path: Path) -> Config:
+    return load_config(path)
+
+
+class Reloader:
+    """Reloads ``path`` into ``applier`` on request; owns the reload history, the current problems, and the
+    watchers of the file (started by :meth:`run`)."""
+
+    def __init__(self, path: Path, applier: Applier, notifier: Notifier | None = None, *,
+                 poll_interval_s: float = POLL_INTERVAL_S, loader: Callable[[Path], Config] = load) -> None:
+        self.path = path
+        self.applier = applier
+        self.notifier = notifier or Notifier(None)
+        self.poll_interval_s = poll_interval_s
+        self.loader = loader
+        self.history = ReloadHistory()
+        self.problems: tuple[Problem, ...] = ()  # of the file on disk, when it is invalid
+        self._requested: Trigger | None = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._lock = asyncio.Lock()
+        self.stop = asyncio.Event()
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.problems)
+
+    def request(self, trigger: Trigger) -> None:
+        """Ask for a reload (from the loop thread); several requests before it runs are one reload."""
+        if self._requested is None:
+            self._requested = trigger
+        self._idle.clear()
+        self._wake.set()
+
+    async def settled(self) -> None:
+        """Wait until every requested reload has run (tests, and the API's synchronous reload)."""
+        await self._idle.wait()
+
+    def watchers(self) -> list[FileWatcher]:
+        def changed() -> None:
+            self.request("file")
+
+        return [WatchfilesWatcher(self.path, changed, self.stop),
+                PollingWatcher(self.path, changed, self.stop, interval_s=self.poll_interval_s)]
+
+    async def run(self) -> None:
+        """Watch the file and run requested reloads until :attr:`stop` is set."""
+        tasks = [asyncio.create_task(watcher.run(), name=f"watch-{type(watcher).__name__}")
+                 for watcher in self.watchers()]
+        try:
+            while not self.stop.is_set():
+                stopping = asyncio.ensure_future(self.stop.wait())
+                waking = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({stopping, waking}, return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                waking.cancel()
+                if self.stop.is_set():
+                    break
+                self._wake.clear()
+                trigger = self._requested or "file"
+                self._requested = None
+                await self.reload(trigger)
+                if self._requested is None:
+                    self._idle.set()
+        finally:
+            self.stop.set()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._idle.set()
+
+    async def reload(self, trigger: Trigger) -> Reload:
+        """One reload, now (serialized with any other)."""
+        async with self._lock:
+            started = time.time()
+            clock = time.perf_counter()
+            self.notifier.reloading()
+            try:
+                record = await self._reload(trigger, started, clock)
+            finally:
+                self.notifier.ready(self.applier.ready_status())
+        self.history.add(record)
+        if record.result in ("invalid", "failed"):
+            log.warning("%s", record.line())
+        else:
+            log.info("%s", record.line())
+        return record
+
+    async def _reload(self, trigger: Trigger, started: float, clock: float) -> Reload:
+        def elapsed_ms() -> float:
+            return (time.perf_counter() - clock) * 1000
+
+        try:
+            new = await asyncio.to_thread(self.loader, self.path)
+        except ConfigInvalid as exc:
+            self.problems = exc.problems
+            return Reload(started, trigger, "invalid", "", "", (), elapsed_ms(),
+                          problems=tuple(str(problem) for problem in exc.problems))
+        self.problems = ()
+        changes = diff(self.applier.config, new)
+        steps = plan(changes)
+        if changes.empty:
+            return Reload(started, trigger, "unchanged", changes.summary(), "no changes", (), elapsed_ms())
+        try:
+            applied = await self.applier.apply(new, steps)
+        except Exception as exc:
+            log.exception("reload failed while applying: %s", steps.summary())
+            return Reload(started, trigger, "failed", changes.summary(), "", steps.restart_needed, elapsed_ms(),
+                          error=f"{type(exc).__name__}: {exc}")
+        return Reload(started, trigger, "applied", changes.summary(), applied, steps.restart_needed, elapsed_ms())

@@ -1,41 +1,203 @@
-"""The ``appliance`` command: a thin shell over the application object, the config and the clients."""
+"""The ``appliance`` command: a thin shell over the application object, the config and the clients.
+
+Every failure is one line on stderr and an exit code from :data:`EXIT_CODES`, never a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import math
 import os
+import re
+import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from appliance import __version__
 from appliance.client import lines as lineclient
 from appliance.daemon import registry
-from appliance.errors import ApplianceError, StartupError
+from appliance.errors import STARTUP_EXIT_CODES, ApplianceError, StartupError
+from appliance.protocol.lines import parse_fields
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "appliance.yaml"
+SOCKET_NAME = "appliance.sock"
+EXIT_FAILED = 1
 EXIT_CONFIG_INVALID = 2
-EXIT_STARTUP_FAILED = 3
+EXIT_NOT_RUNNING = 6
+EXIT_INTERRUPTED = 130
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    EXIT_FAILED: "the command failed: an ERR reply, unhealthy, a protocol mismatch, an invalid config (config check)",
+    EXIT_CONFIG_INVALID: "bad arguments, or the config file is invalid",
+    STARTUP_EXIT_CODES["busy"]: "cannot start: another appliance holds the state folder or socket, or the port is busy",
+    STARTUP_EXIT_CODES["filesystem"]: "cannot start: a path cannot be used (data_dir, socket path, lock, model file)",
+    STARTUP_EXIT_CODES["device"]: "cannot start: the memory device cannot be opened",
+    EXIT_NOT_RUNNING: "no appliance answers where the command looked",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MIB = 1024 * 1024
+
+
+def exit_code_table() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+
+
+class CliError(Exception):
+    """A failure of the command: printed as ``appliance: <message>``, exit ``code``."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+# -- argument types (argparse turns their ArgumentTypeError into a one-line usage error, exit 2) ------------
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number (got {text!r})")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2 (got {text})")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds (got {text})")
+    return value
+
+
+def count(text: str) -> int:
+    """A positive integer written in ASCII digits."""
+    if not re.fullmatch(r"[0-9]{1,9}", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 999999999 (got {text!r})")
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return value
+
+
+def log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (got {text!r})")
+    return text.lower()
+
+
+# -- finding the daemon -----------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """Where a client command talks to: the socket, the HTTP base URL (None: unknown), and how it was found."""
+
+    socket: Path
+    http: str | None
+    found_by: str
+    config: Path | None = None
 
 
 def config_path(args: argparse.Namespace) -> Path:
     return Path(getattr(args, "config", None) or os.environ.get("APPLIANCE_CONFIG") or DEFAULT_CONFIG)
 
 
-def find_daemon(args: argparse.Namespace) -> tuple[Path, str]:
-    """The daemon's socket and HTTP endpoint: the registry file of the config's state dir, else the config."""
-    from appliance.config.validate import load_config
+def _client_config(args: argparse.Namespace) -> Path | None:
+    """--config, else $APPLIANCE_CONFIG, else ./appliance.yaml when it exists; None when there is none."""
+    given = getattr(args, "config", None) or os.environ.get("APPLIANCE_CONFIG")
+    if given:
+        return Path(given)
+    if Path(DEFAULT_CONFIG).is_file():
+        return Path(DEFAULT_CONFIG)
+    return None
 
-    config = load_config(config_path(args), check_files=False)
-    doc = registry.read(config.data_dir) or {}
-    http = doc.get("http") or f"http://{config.http.host}:{config.http.port}"
-    return Path(getattr(args, "socket", None) or doc.get("socket") or config.socket.path), str(http)
+
+def _load_client_config(path: Path):  # type: ignore[no-untyped-def]
+    from appliance.config.validate import ConfigInvalid, load_config
+
+    try:
+        return load_config(path, check_files=False)
+    except ConfigInvalid as exc:
+        first = exc.problems[0] if exc.problems else "invalid"
+        raise CliError(f"cannot use the config {path}: {first}", EXIT_CONFIG_INVALID) from None
+
+
+def find_daemon(args: argparse.Namespace) -> Target:
+    """The daemon's socket: --socket, else $APPLIANCE_SOCKET, else the config's registry file (its state
+    folder) or its socket.path, else $RUNTIME_DIRECTORY/appliance.sock. HTTP comes from the registry or config."""
+    http: str | None = None
+    config_file = _client_config(args)
+    doc: dict[str, Any] = {}
+    config = None
+    explicit = getattr(args, "socket", None) or os.environ.get("APPLIANCE_SOCKET")
+    if config_file is not None:
+        try:
+            config = _load_client_config(config_file)
+        except CliError:
+            if not explicit:  # the socket was given: the config only adds the HTTP endpoint
+                raise
+    if config is not None:
+        doc = registry.read(config.data_dir) or {}
+        http = str(doc.get("http") or f"http://{config.http.host}:{config.http.port}")
+    if getattr(args, "socket", None):
+        return Target(Path(args.socket), http, "--socket", config_file)
+    if os.environ.get("APPLIANCE_SOCKET"):
+        return Target(Path(os.environ["APPLIANCE_SOCKET"]), http, "$APPLIANCE_SOCKET", config_file)
+    if config is not None and config_file is not None:
+        found = doc.get("socket")
+        if found:
+            return Target(Path(found), http, f"the registry {registry.path(config.data_dir)}", config_file)
+        return Target(config.socket.path, http, f"the config {config_file}", config_file)
+    no_config = f"no config (--config, $APPLIANCE_CONFIG, ./{DEFAULT_CONFIG})"
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        return Target(Path(runtime.split(":")[0]) / SOCKET_NAME, None, f"$RUNTIME_DIRECTORY; {no_config}")
+    raise CliError(f"cannot find the appliance: {no_config}, no $RUNTIME_DIRECTORY; give --socket PATH or "
+                   f"--config FILE, or start one with: appliance run --config {DEFAULT_CONFIG}", EXIT_NOT_RUNNING)
+
+
+def _not_running(target: Target, reason: str) -> CliError:
+    config = target.config or Path(DEFAULT_CONFIG)
+    return CliError(f"no appliance answers on {target.socket} (from {target.found_by}): {reason}; "
+                    f"start one with: appliance run --config {config}", EXIT_NOT_RUNNING)
+
+
+def reachable_socket(args: argparse.Namespace) -> Target:
+    """The target, after checking that something accepts connections on its socket (else exit 6)."""
+    target = find_daemon(args)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(str(target.socket))
+        except OSError as exc:
+            raise _not_running(target, exc.strerror or str(exc)) from None
+    return target
 
 
 def socket_path(args: argparse.Namespace) -> Path:
-    """--socket (no config needed), else as :func:`find_daemon` says."""
-    return Path(args.socket) if getattr(args, "socket", None) else find_daemon(args)[0]
+    return reachable_socket(args).socket
+
+
+def request_line(args: argparse.Namespace, line: str, timeout: float = 300.0) -> str:
+    """Send one line-protocol command to the daemon and return its reply."""
+    target = reachable_socket(args)
+    try:
+        return lineclient.request(target.socket, line, timeout)
+    except (OSError, TimeoutError) as exc:
+        raise _not_running(target, str(exc)) from None
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -44,18 +206,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     from appliance.config.validate import ConfigInvalid
 
     try:
-        appliance = Appliance.from_file(config_path(args))
+        appliance = Appliance.from_file(config_path(args), log_level=args.log_level)
     except ConfigInvalid as exc:
         print(f"appliance: refusing to start, {len(exc.problems)} problem(s) in {config_path(args)}:",
               file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_CONFIG_INVALID
+    except StartupError as exc:
+        print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
+        return exc.exit_code
     try:
         asyncio.run(appliance.run())
     except StartupError as exc:
         print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
-        return EXIT_STARTUP_FAILED
+        return exc.exit_code
     return 0
 
 
@@ -97,6 +262,41 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """One-line verdict on the HTTP health endpoint and the socket; non-zero when either fails."""
+    import urllib.request
+
+    from appliance.client import MagnClient
+
+    problems: list[str] = []
+    target = reachable_socket(args)  # nothing answers at all: exit 6 with how to start one
+    url = None if target.http is None else target.http + "/v1/health"
+    if url is not None:
+        try:
+            with urllib.request.urlopen(url, timeout=args.timeout) as response:
+                doc = json.load(response)
+            if doc.get("status") != "ok":
+                problems.append(f"http status {doc.get('status')!r}")
+            if args.model and args.model not in {m["name"] for m in doc.get("models", [])}:
+                problems.append(f"model {args.model!r} not served")
+        except (OSError, ValueError) as exc:
+            problems.append(f"http {url}: {getattr(exc, 'reason', exc)}")
+    try:
+        with MagnClient(str(target.socket), timeout=args.timeout) as client:
+            info = client.protocol_info()
+    except (OSError, ApplianceError, TimeoutError) as exc:
+        problems.append(f"socket {target.socket}: {exc}")
+        info = None
+    if problems:
+        print("unhealthy: " + "; ".join(problems))
+        return EXIT_FAILED
+    assert info is not None
+    http = "not checked (no config)" if url is None else f"{url} ok"
+    print(f"healthy: http {http}, socket {target.socket} speaks MAGN v{info.version} "
+          f"({info.server} {info.server_version})")
+    return 0
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     from appliance.client import MagnClient
 
@@ -119,39 +319,6 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    """One-line verdict on the HTTP health endpoint and the socket; non-zero when either fails."""
-    import json
-    import urllib.request
-
-    from appliance.client import MagnClient
-
-    problems: list[str] = []
-    path, base = find_daemon(args)
-    url = base + "/v1/health"
-    try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as response:
-            doc = json.load(response)
-        if doc.get("status") != "ok":
-            problems.append(f"http status {doc.get('status')!r}")
-        if args.model and args.model not in {m["name"] for m in doc.get("models", [])}:
-            problems.append(f"model {args.model!r} not served")
-    except OSError as exc:
-        problems.append(f"http {url}: {getattr(exc, 'reason', exc)}")
-    try:
-        with MagnClient(str(path), timeout=args.timeout) as client:
-            info = client.protocol_info()
-    except (OSError, ApplianceError, TimeoutError) as exc:
-        problems.append(f"socket {path}: {exc}")
-        info = None
-    if problems:
-        print("unhealthy: " + "; ".join(problems))
-        return 1
-    assert info is not None
-    print(f"healthy: http {url} ok, socket {path} speaks MAGN v{info.version} ({info.server} {info.server_version})")
-    return 0
-
-
 def cmd_protocol_check(args: argparse.Namespace) -> int:
     from appliance.client import MagnClient
 
@@ -162,7 +329,7 @@ def cmd_protocol_check(args: argparse.Namespace) -> int:
     if expected != info.version and expected not in info.supported_versions:
         print(f"protocol mismatch: expected {expected:#06x}, the daemon speaks {info.version:#06x} "
               f"(supports {supported})")
-        return 1
+        return EXIT_FAILED
     print(f"protocol ok: {expected:#06x} (daemon speaks {info.version:#06x}, supports {supported}; "
           f"schema {info.schema}, max_frame_bytes {info.max_frame_bytes})")
     return 0
@@ -170,30 +337,141 @@ def cmd_protocol_check(args: argparse.Namespace) -> int:
 
 def line_command(build: Callable[[argparse.Namespace], str]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        reply = lineclient.request(socket_path(args), build(args))
+        reply = request_line(args, build(args))
         sys.stdout.write(reply)
-        return 1 if reply.startswith("ERR ") else 0
+        return EXIT_FAILED if reply.startswith("ERR ") else 0
+
+    return run
+
+
+# -- STATUS and LIST as tables or JSON ----------------------------------------------------------------
+LIST_KINDS = {"model": "models", "agent": "agents"}
+"""Record kinds that are lists (a table each); every other kind is one record (a key/value block)."""
+
+
+def parse_value(text: str) -> Any:
+    """A line-protocol field value as JSON would hold it: none, true/false, integers, decimals, else text."""
+    if text == "none":
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"-?[0-9]+", text):
+        return int(text)
+    if re.fullmatch(r"-?[0-9]+\.[0-9]+", text):
+        return float(text)
+    return text
+
+
+def parse_records(body: str, lists: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The body of a STATUS/LIST reply (``<kind> key=value …`` lines) as ``{"models": [...], "ledger": {...}}``,
+    in the reply's order; ``lists`` are list kinds that are present (empty) even without a record."""
+    doc: dict[str, Any] = {}
+    for line in body.split("\n"):  # the body is unescaped: only \n separates its lines
+        kind, _, rest = line.partition(" ")
+        if not kind:
+            continue
+        record: dict[str, Any] = {}
+        for key, value in parse_fields(rest).items():
+            record[key] = parse_value(value)
+        if kind in LIST_KINDS:
+            doc.setdefault(LIST_KINDS[kind], []).append(record)
+        elif kind in doc:  # a second record of a one-record kind: keep them all
+            previous = doc[kind]
+            doc[kind] = [*previous, record] if isinstance(previous, list) else [previous, record]
+        else:
+            doc[kind] = record
+    for name in lists:
+        doc.setdefault(name, [])
+    return doc
+
+
+def show_cell(key: str, value: Any) -> str:
+    """A table cell: byte counts in MiB, booleans as yes/no, none as "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key.endswith("_bytes") and isinstance(value, int | float):
+        return f"{value / MIB:.1f}"
+    return str(value)
+
+
+def show_header(key: str) -> str:
+    if key.endswith("_bytes"):
+        return key.removesuffix("_bytes") + " MiB"
+    return key
+
+
+def render_table(records: list[dict[str, Any]]) -> list[str]:
+    """Aligned columns, one per key seen in any record (in first-seen order)."""
+    keys: list[str] = []
+    for record in records:
+        keys += [key for key in record if key not in keys]
+    rows = [[show_header(key) for key in keys]]
+    rows += [[show_cell(key, record.get(key)) for key in keys] for record in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(keys))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def render_records(doc: dict[str, Any]) -> str:
+    out: list[str] = []
+    for kind, value in doc.items():
+        if isinstance(value, dict):
+            pairs = [(show_header(key), show_cell(key, item)) for key, item in value.items()]
+            width = max((len(key) for key, _ in pairs), default=0)
+            out.append(f"{kind}:")
+            out += [f"  {key.ljust(width)}  {item}" for key, item in pairs]
+        elif value:
+            out.append(f"{kind}:")
+            out += ["  " + line for line in render_table(value)]
+        else:
+            out.append(f"{kind}: none")
+        out.append("")
+    return "\n".join(out)
+
+
+def table_command(line: str, lists: tuple[str, ...]) -> Callable[[argparse.Namespace], int]:
+    """STATUS or LIST: readable tables, or ``--json`` (the same records as JSON, for scripts)."""
+
+    def run(args: argparse.Namespace) -> int:
+        reply = request_line(args, line, args.timeout)
+        if reply.startswith("ERR "):
+            sys.stdout.write(reply)
+            return EXIT_FAILED
+        doc = parse_records(lineclient.response_body(reply), lists)
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        else:
+            sys.stdout.write(render_records(doc))
+        return 0
 
     return run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description="A local-LLM appliance for edge boxes.")
-    parser.add_argument("--log-level", default=os.environ.get("APPLIANCE_LOG_LEVEL", "info"))
+    parser = argparse.ArgumentParser(prog="appliance", description="A local-LLM appliance for edge boxes.",
+                                     epilog=exit_code_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"appliance {__version__}")
+    parser.add_argument("--log-level", type=log_level, default=os.environ.get("APPLIANCE_LOG_LEVEL"),
+                        help="debug|info|warning|error|critical; overrides log_level of the config "
+                             "(default: $APPLIANCE_LOG_LEVEL, else the config's)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help: str,
-                parent: argparse._SubParsersAction = sub) -> argparse.ArgumentParser:
-        p = parent.add_parser(name, help=help, description=help)
+                parent: argparse._SubParsersAction = sub, epilog: str | None = None) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=help, epilog=epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(fn=fn)
         return p
 
     def client(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--config", help=f"config file to find the daemon through (default {DEFAULT_CONFIG})")
-        p.add_argument("--socket", help="the daemon's Unix socket (overrides the registry file)")
+        p.add_argument("--config", help=f"config file to find the daemon through (default $APPLIANCE_CONFIG, "
+                                        f"else ./{DEFAULT_CONFIG} if present)")
+        p.add_argument("--socket", help="the daemon's Unix socket (default $APPLIANCE_SOCKET, else the config's "
+                                        "registry, else $RUNTIME_DIRECTORY/appliance.sock)")
         return p
 
-    run = command("run", cmd_run, "run the appliance in the foreground")
+    run = command("run", cmd_run, "run the appliance in the foreground", epilog=exit_code_table())
     run.add_argument("--config", help=f"config file (default ./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
 
     from appliance.config.schema import render_help
@@ -209,51 +487,90 @@ def build_parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers(dest="models_command", required=True)
     tiny = command("make-tiny", cmd_make_tiny, "write a small random-weight llama GGUF", models_sub)
     tiny.add_argument("out")
-    tiny.add_argument("--layers", type=int, default=4)
-    tiny.add_argument("--dim", type=int, default=256)
+    tiny.add_argument("--layers", type=count, default=4)
+    tiny.add_argument("--dim", type=count, default=256)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", choices=["f16", "f32"], default="f16")
 
-    client(command("status", line_command(lambda a: "STATUS"), "device, ledger, models and agents"))
-    client(command("list", line_command(lambda a: "LIST"), "configured models and their state"))
-    client(command("resync", line_command(lambda a: "RESYNC"), "re-read the device, re-base the ledger"))
-    reg = client(command("register", line_command(lambda a: f"REGISTER {a.agent} {a.model}"),
-                         "register an agent on a model"))
+    for name, line, lists, text in (
+            ("status", "STATUS", ("models", "agents"), "device, ledger, models and agents, as tables"),
+            ("list", "LIST", ("models",), "configured models and their state, as a table")):
+        table = client(command(name, table_command(line, lists), text))
+        table.add_argument("--json", action="store_true", help="print the records as JSON (for scripts)")
+        table.add_argument("--timeout", type=seconds, default=30.0)
+    client(command("resync", line_command(build_resync), "re-read the device, re-base the ledger"))
+    reg = client(command("register", line_command(build_register), "register an agent on a model"))
     reg.add_argument("agent")
     reg.add_argument("model")
-    unreg = client(command("unregister", line_command(lambda a: f"UNREGISTER {a.agent}"), "unregister an agent"))
+    unreg = client(command("unregister", line_command(build_unregister), "unregister an agent"))
     unreg.add_argument("agent")
-    decode = client(command("decode", line_command(lambda a: f"DECODE {a.agent} {a.n_tokens} {a.prompt}".rstrip()),
-                            "generate tokens for a registered agent"))
+    decode = client(command("decode", line_command(build_decode), "generate tokens for a registered agent"))
     decode.add_argument("agent")
-    decode.add_argument("n_tokens", type=int)
+    decode.add_argument("n_tokens", type=count)
     decode.add_argument("prompt", nargs="?", default="")
     infer = client(command("infer", cmd_infer, "generate over MAGN frames, streaming tokens to the terminal"))
     infer.add_argument("--model", required=True)
     infer.add_argument("prompt")
-    infer.add_argument("--max-tokens", type=int, default=64)
-    infer.add_argument("--temperature", type=float, default=0.0)
+    infer.add_argument("--max-tokens", type=count, default=64)
+    infer.add_argument("--temperature", type=temperature, default=0.0, help="0 (greedy) to 2")
     infer.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
-    infer.add_argument("--timeout", type=float, default=300.0)
+    infer.add_argument("--timeout", type=seconds, default=300.0)
     health = client(command("health", cmd_health, "check the HTTP health endpoint and the socket"))
     health.add_argument("--model", help="also require this model to be served")
-    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--timeout", type=seconds, default=5.0)
     check = client(command("protocol-check", cmd_protocol_check, "check the daemon speaks a MAGN version"))
-    check.add_argument("--expect-version", default="0x0001", help="e.g. 0x0001")
-    check.add_argument("--timeout", type=float, default=5.0)
+    check.add_argument("--expect-version", type=protocol_version, default="0x0001", help="e.g. 0x0001")
+    check.add_argument("--timeout", type=seconds, default=5.0)
     return parser
+
+
+def build_resync(args: argparse.Namespace) -> str:
+    return "RESYNC"
+
+
+def build_register(args: argparse.Namespace) -> str:
+    return f"REGISTER {args.agent} {args.model}"
+
+
+def build_unregister(args: argparse.Namespace) -> str:
+    return f"UNREGISTER {args.agent}"
+
+
+def build_decode(args: argparse.Namespace) -> str:
+    return f"DECODE {args.agent} {args.n_tokens} {args.prompt}".rstrip()
+
+
+def protocol_version(text: str) -> str:
+    if not re.fullmatch(r"(0x[0-9a-fA-F]{1,4}|[0-9]{1,5})", text):
+        raise argparse.ArgumentTypeError(f"must be a version like 0x0001 (got {text!r})")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = (args.log_level or "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
+    except CliError as exc:
+        print(f"appliance: {exc.message}", file=sys.stderr)
+        return exc.code
+    except StartupError as exc:
+        print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
+        return exc.exit_code
     except ApplianceError as exc:
         print(f"appliance: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except (OSError, TimeoutError) as exc:
+        print(f"appliance: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # the last resort: one line, never a traceback
+        log.debug("unexpected failure", exc_info=True)
+        print(f"appliance: unexpected {type(exc).__name__}: {exc} (run with --log-level debug for details)",
+              file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

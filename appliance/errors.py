@@ -43,7 +43,7 @@ _KINDS = [
     ErrorKind("SHUTTING_DOWN", 503, True, "the daemon is stopping"),
     ErrorKind("CONFIG_INVALID", 400, False, "the configuration file is invalid"),
     ErrorKind("FORBIDDEN", 403, False, "the request is not allowed"),
-    ErrorKind("INTERNAL", 500, True, "an unexpected internal error"),
+    ErrorKind("INTERNAL", 500, False, "an unexpected internal error"),
 ]
 
 TABLE: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}
@@ -90,16 +90,34 @@ class ApplianceError(Exception):
         return cls(code, str(data.get("message") or ""), details if isinstance(details, dict) else {})
 
 
+STARTUP_EXIT_CODES: dict[str, int] = {"busy": 3, "filesystem": 4, "device": 5}
+"""The exit code of ``appliance run`` for each kind of :class:`StartupError` (2 is an invalid config)."""
+
+
 class StartupError(Exception):
     """The appliance cannot start (a busy port, a socket path another instance serves): a problem for the
-    operator, reported as one line by the CLI, never sent to a client as a P4 error."""
+    operator, reported as one line by the CLI, never sent to a client as a P4 error.
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
+    ``kind`` is the failure class, a key of :data:`STARTUP_EXIT_CODES`: ``busy`` (another instance, a port in
+    use), ``filesystem`` (a path that cannot be used: missing, unwritable, too long, not a socket) or ``device``
+    (the memory device cannot be opened)."""
+
+    def __init__(self, message: str, *, path: str | None = None, kind: str = "busy") -> None:
+        if kind not in STARTUP_EXIT_CODES:
+            raise ValueError(f"unknown start-up failure kind {kind!r}")
         super().__init__(message)
         self.message = message
         self.path = path
+        self.kind = kind
+
+    @property
+    def exit_code(self) -> int:
+        return STARTUP_EXIT_CODES[self.kind]
 
 
 def internal(exc: BaseException) -> ApplianceError:
-    """Wrap an unexpected exception so that a client still gets the P4 shape."""
-    return ApplianceError("INTERNAL", f"{type(exc).__name__}: {exc}")
+    """Wrap an unexpected exception so that a client still gets the P4 shape: the generic INTERNAL summary, never
+    the exception's text (it can name files, memory or secrets); the caller logs ``exc`` with its traceback.
+
+    INTERNAL is not retryable: the same request would most likely fail the same way."""
+    return ApplianceError("INTERNAL", TABLE["INTERNAL"].summary)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from appliance import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,13 +105,14 @@ def test_run_serves_the_socket_and_http_until_sigterm(daemon_config: Path) -> No
         assert "5 generated tokens" in infer.stderr
         error = appliance("decode", "ghost", "4", "hi", *cfg)
         assert error.returncode == 1 and error.stdout.startswith("ERR UNKNOWN_AGENT")
+        check_tables_from_another_folder(daemon_config)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert proc.returncode == 0
     assert not (state / "appliance.sock").exists() and not (state / "registry.json").exists()
-    unhealthy = appliance("health", "--config", str(daemon_config), "--timeout", "2")
-    assert unhealthy.returncode == 1 and unhealthy.stdout.startswith("unhealthy:")
+    down = appliance("health", "--config", str(daemon_config), "--timeout", "2")
+    assert down.returncode == 6 and "no appliance answers on" in down.stderr
 
 
 def test_make_tiny_writes_a_model_llama_cpp_loads(tmp_path: Path) -> None:
@@ -151,6 +155,103 @@ def test_a_socket_path_that_is_a_file_is_refused_and_kept(daemon_config: Path) -
     precious = daemon_config.parent / "appliance.sock"
     precious.write_text("not a socket\n")
     result = run_once(daemon_config)
-    assert result.returncode == 3
+    assert result.returncode == 4  # a filesystem problem
     assert "is not a socket" in result.stderr and "Traceback" not in result.stderr
     assert precious.read_text() == "not a socket\n"
+
+
+# -- finding the daemon, tables, JSON, bad arguments, the daemon down -------------------------------------------------
+def elsewhere(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The command run from a folder with no appliance.yaml, with only the given APPLIANCE_*/RUNTIME_* variables."""
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith("APPLIANCE_") and key != "RUNTIME_DIRECTORY"}
+    clean.update(env or {})
+    clean["PYTHONPATH"] = str(ROOT)
+    with tempfile.TemporaryDirectory() as folder:
+        return subprocess.run([sys.executable, "-m", "appliance", *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=folder, env=clean)
+
+
+def check_tables_from_another_folder(config: Path) -> None:
+    """status/list as tables and JSON, the daemon found through --config, $APPLIANCE_CONFIG, $APPLIANCE_SOCKET
+    and $RUNTIME_DIRECTORY, run from a folder without a config."""
+    state = config.parent
+    table = elsewhere("status", "--config", str(config))
+    assert table.returncode == 0, table.stderr
+    assert "ledger:" in table.stdout and "allocated MiB" in table.stdout
+    models = table.stdout.split("models:\n", 1)[1].splitlines()
+    assert models[0].split()[:2] == ["name", "state"] and models[1].split()[:2] == ["demo", "loaded"]
+    agents = table.stdout.split("agents:\n", 1)[1].splitlines()
+    assert agents[0].split()[:2] == ["id", "model"] and agents[1].split()[:2] == ["a", "demo"]
+    doc = json.loads(elsewhere("status", "--json", env={"APPLIANCE_CONFIG": str(config)}).stdout)
+    assert doc["models"][0]["name"] == "demo" and doc["models"][0]["loaded"] is True
+    assert doc["agents"][0]["id"] == "a" and isinstance(doc["ledger"]["allocated_bytes"], int)
+    assert doc["ledger"]["allocated_bytes"] == doc["models"][0]["estimate_bytes"] > 0
+    listed = json.loads(elsewhere("list", "--json", env={"APPLIANCE_SOCKET": str(state / "appliance.sock")}).stdout)
+    assert [m["name"] for m in listed["models"]] == ["demo"] and "agents" not in listed
+    runtime = elsewhere("list", env={"RUNTIME_DIRECTORY": str(state)})
+    assert runtime.returncode == 0 and runtime.stdout.splitlines()[1].split()[:3] == ["name", "path", "n_ctx"]
+
+
+def test_version() -> None:
+    result = appliance("--version", check=True)
+    assert result.stdout.strip() == f"appliance {__version__}"
+
+
+@pytest.mark.parametrize("args", [
+    ["infer", "--model", "demo", "--temperature", "nan", "hi"],
+    ["infer", "--model", "demo", "--temperature", "-1", "hi"],
+    ["infer", "--model", "demo", "--max-tokens", "0", "hi"],
+    ["infer", "--model", "demo", "--max-tokens", "²", "hi"],
+    ["decode", "a", "-1", "hi"],
+    ["decode", "a", "0"],
+    ["decode", "a", "9" * 5000],
+    ["health", "--timeout", "inf"],
+    ["--log-level", "loud", "status"],
+    ["protocol-check", "--expect-version", "x"],
+])
+def test_bad_arguments_are_one_usage_line(args: list[str]) -> None:
+    result = elsewhere(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("appliance")
+    assert "error: argument" in result.stderr
+
+
+CLIENT_COMMANDS = [["status"], ["status", "--json"], ["list"], ["resync"], ["register", "a", "demo"],
+                   ["unregister", "a"], ["decode", "a", "4", "hi"], ["infer", "--model", "demo", "hi"],
+                   ["health"], ["protocol-check"]]
+
+
+@pytest.mark.parametrize("args", CLIENT_COMMANDS, ids=[" ".join(args) for args in CLIENT_COMMANDS])
+def test_every_client_command_with_the_daemon_down_says_where_it_looked(args: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "appliance.yaml"
+    config.write_text(f"data_dir: {tmp_path}\nmodels: []\n")
+    result = elsewhere(*args, "--config", str(config))
+    assert result.returncode == 6, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (f"appliance: no appliance answers on {tmp_path / 'appliance.sock'} (from the config {config}): "
+                    f"No such file or directory; start one with: appliance run --config {config}")
+
+
+def test_with_no_config_and_no_socket_the_cli_says_how_to_find_or_start_one() -> None:
+    result = elsewhere("status")
+    assert result.returncode == 6
+    (line,) = result.stderr.strip().splitlines()
+    assert "no config (--config, $APPLIANCE_CONFIG, ./appliance.yaml)" in line and "appliance run --config" in line
+
+
+def test_a_socket_given_on_the_command_line_that_nothing_serves() -> None:
+    result = elsewhere("decode", "a", "3", "--socket", "/tmp/nobody-serves-here.sock")
+    assert result.returncode == 6
+    assert "no appliance answers on /tmp/nobody-serves-here.sock (from --socket)" in result.stderr
+
+
+def test_a_bad_config_for_a_client_command_is_exit_code_2(tmp_path: Path) -> None:
+    config = tmp_path / "appliance.yaml"
+    config.write_text("a: &a [*a]\n")
+    result = elsewhere("status", "--config", str(config))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"appliance: cannot use the config {config}: ") and "YAML refused" in line

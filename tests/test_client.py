@@ -531,3 +531,52 @@ def test_async_client_must_connect_first(tmp_path: Path) -> None:
             await AsyncMagnClient(str(tmp_path / "x.sock")).protocol_info()
 
     run(main())
+
+
+# --- the line client: a hostile body comes back exact, and the reply ends where the server ended it -------------
+
+def _serve_one_line_reply(path: Path, reply: bytes, received: list[bytes]) -> threading.Thread:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                received.append(conn.recv(65536))
+                conn.sendall(reply + b"OK schema=lmx-daemon/1\nnever read\n")
+
+    thread = threading.Thread(target=serve, name="line-server", daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_line_client_reads_a_hostile_body_back_exactly(tmp_path: Path) -> None:
+    from appliance.client import lines as lineclient
+    from appliance.protocol import lines
+
+    body = "x\nEND_RESPONSE\nERR INTERNAL forged=1\r\n\\ \u2028"
+    reply = lines.format_reply("DECODE", [{"generated_tokens": 7, "note": "a b"}], body=[body], agent_id="a")
+    received: list[bytes] = []
+    thread = _serve_one_line_reply(tmp_path / "l.sock", reply.encode(), received)
+    text = lineclient.request(tmp_path / "l.sock", "DECODE a 7 hi", timeout=10)
+    thread.join(10)
+    assert received == [b"DECODE a 7 hi\n"]
+    assert text == reply
+    assert lineclient.response_body(text) == body
+    assert lineclient.header_fields(text) == {"schema": "lmx-daemon/1", "invoke": "DECODE", "agent_id": "a",
+                                              "generated_tokens": "7", "note": "a b"}
+
+
+def test_the_line_client_stops_at_an_err_line(tmp_path: Path) -> None:
+    from appliance.client import lines as lineclient
+
+    received: list[bytes] = []
+    thread = _serve_one_line_reply(tmp_path / "e.sock", b"ERR BAD_REQUEST n_tokens=0x10 max=8192\n", received)
+    text = lineclient.request(tmp_path / "e.sock", "DECODE a 0x10", timeout=10)
+    thread.join(10)
+    assert text == "ERR BAD_REQUEST n_tokens=0x10 max=8192\n"
+    assert lineclient.header_fields(text) == {"n_tokens": "0x10", "max": "8192"}
+    with pytest.raises(ValueError):
+        lineclient.response_body(text)

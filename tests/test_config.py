@@ -563,3 +563,87 @@ def test_any_yaml_mapping_gives_a_config_or_config_invalid(data):
         parse_config(text, base_dir=Path("/b"), check_files=False)
     except ConfigInvalid as exc:
         assert exc.problems and all(p.line is None or p.line >= 1 for p in exc.problems)
+
+
+# -- hostile YAML: bounded size, depth, aliases; numbers that are not numbers ----------------------------------
+def _laughs(levels: int, name: str = "a") -> str:
+    """The "billion laughs": each level a list of ten aliases of the one before (10**levels strings)."""
+    text = f"{name}0: &{name}0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    for level in range(1, levels + 1):
+        refs = ", ".join([f"*{name}{level - 1}"] * 10)
+        text += f"{name}{level}: &{name}{level} [{refs}]\n"
+    return text
+
+
+HOSTILE_YAML = [
+    ("billion-laughs", _laughs(9), 5, "more than 20000 values with aliases expanded"),
+    ("laughs-in-a-setting", _laughs(3) + "model_dirs: [" + ", ".join(["*a3"] * 20) + "]\n", 5,
+     "more than 20000 values"),
+    ("many-aliases", "x: &x 1\ny: [" + ", ".join(["*x"] * 500) + "]\n", 2, "more than 100 aliases (limit 100)"),
+    ("deep-block", "".join("  " * i + f"k{i}:\n" for i in range(100)) + "  " * 100 + "v\n", 33,
+     "nested deeper than 32 levels"),
+    ("deep-flow", "engine: " + "[" * 50_000 + "]" * 50_000 + "\n", 1, ""),
+    ("recursive-alias", "model_dirs: &d [*d]\n", 1, "names no complete anchor"),
+    ("wide", "model_dirs: [" + ", ".join(["a"] * 200_000) + "]\n", 1, "more than 20000 values"),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "says"), [case[1:] for case in HOSTILE_YAML],
+                         ids=[case[0] for case in HOSTILE_YAML])
+def test_hostile_yaml_is_refused_quickly_with_its_line(text: str, line: int, says: str):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(ConfigInvalid) as caught:
+        parse_config(text, check_files=False)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 1.0, f"took {elapsed:.2f} s"
+    (problem,) = caught.value.problems
+    assert problem.line == line and says in problem.message
+
+
+def test_a_config_file_over_1_mib_is_refused_unread(tmp_path: Path):
+    import time
+
+    from appliance.config.validate import MAX_CONFIG_BYTES
+
+    big = tmp_path / "appliance.yaml"
+    big.write_bytes(b"# " + b"x" * (50 * 1024 * 1024) + b"\nmodels: []\n")
+    started = time.perf_counter()
+    with pytest.raises(ConfigInvalid) as caught:
+        load_config(big, check_files=False)
+    assert time.perf_counter() - started < 1.0
+    (problem,) = caught.value.problems
+    assert f"limit {MAX_CONFIG_BYTES} bytes" in problem.message
+    with pytest.raises(ConfigInvalid, match="larger than 1024 KiB"):
+        parse_config("#" * (MAX_CONFIG_BYTES + 1), check_files=False)
+    just_under = "models: []\n" + "#" * (MAX_CONFIG_BYTES - 20) + "\n"
+    assert parse_config(just_under, check_files=False).models == ()
+
+
+def test_aliases_and_merge_keys_within_the_budget_still_work():
+    text = ("defaults: &defaults {n_ctx: 512, idle_ttl_s: 60}\n"
+            "models:\n"
+            "  - {<<: *defaults, name: a, path: /m/a.gguf}\n"
+            "  - {<<: *defaults, name: b, path: /m/b.gguf, n_ctx: 1024}\n")
+    text = text.replace("defaults: &defaults", "x-defaults: &defaults")
+    with pytest.raises(ConfigInvalid, match="unknown key 'x-defaults'"):  # the alias is fine, the key is not
+        parse(text)
+    models = parse("model_dirs: &dirs [/m/a, /m/b]\n" + "models:\n  - {name: a, path: /m/a.gguf, n_ctx: &n 512}\n"
+                   "  - {name: b, path: /m/b.gguf, n_ctx: *n}\n")
+    assert [m.n_ctx for m in models.models] == [512, 512] and models.model_dirs == (Path("/m/a"), Path("/m/b"))
+
+
+@pytest.mark.parametrize(("text", "path", "says"), [
+    ("admission_percent: .nan\n", "admission_percent", "must be a finite number (got nan)"),
+    ("heartbeat_interval_s: .inf\n", "heartbeat_interval_s", "must be"),
+    ("heartbeat_interval_s: -.inf\n", "heartbeat_interval_s", "must be"),
+    ("heartbeat_interval_s: " + "9" * 5000 + "\n", "heartbeat_interval_s", "number too large (5000 digits; limit 30)"),
+    ("max_connections: " + "9" * 400 + "\n", "max_connections", "number too large (400 digits"),
+    ("max_frame_bytes: " + "9" * 40 + "MiB\n", "max_frame_bytes", "number too large"),
+    ("device: nvml:²\n", "device", "digits must be ASCII 0-9 (got '²')"),
+    ("max_connections: ٣\n", "max_connections", "digits must be ASCII 0-9"),
+])
+def test_numbers_that_are_not_plain_numbers_are_clean_problems(text: str, path: str, says: str):
+    (problem,) = problems(text)
+    assert problem.path == path and problem.line == 1 and says in problem.message, problem

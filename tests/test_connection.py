@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.errors import ApplianceError
+from appliance.protocol import frames
 from appliance.protocol import messages as m
 from appliance.protocol.connection import (
     CLIENT,
@@ -497,3 +498,72 @@ def test_arbitrary_messages_in_any_order_raise_only_non_fatal_protocol_errors(ro
     conn = Connection(role)
     feed_everything(conn, b"".join(encode_frame(frame) for frame in frames), [])
     assert conn.state is ConnectionState.CLOSED
+
+
+# --- payloads past the limits: refused one by one, the conversation goes on --------------------------------------
+
+def raw_frame(text: bytes) -> bytes:
+    import base64
+
+    body = base64.b64encode(text)
+    return HEADER.pack(MAGIC, 1, len(body)) + body
+
+
+_INFER_HEAD = b'{"type":"INFER_REQUEST","task_id":"h","model":"m","prompt":"x"'
+HOSTILE = {  # a raw payload and the detail that names the limit it breaks
+    "wide stop list": (_INFER_HEAD + b',"stop":[' + b"[]," * frames.MAX_JSON_ITEMS + b"[]]}", "max_json_items"),
+    "int of 5000 digits": (_INFER_HEAD + b',"max_tokens":' + b"7" * 5000 + b"}", "max_int_digits"),
+    "NaN temperature": (_INFER_HEAD + b',"temperature":NaN}', "reason"),
+    "Infinity top_p": (_INFER_HEAD + b',"top_p":Infinity}', "reason"),
+    "bool max_tokens": (_INFER_HEAD + b',"max_tokens":true}', "reason"),
+    "float max_tokens": (_INFER_HEAD + b',"max_tokens":5.0}', "reason"),
+    "max_tokens past its limit": (_INFER_HEAD + b',"max_tokens":%d}' % (m.MAX_TOKENS_LIMIT + 1), "reason"),
+    "deep tools": (b'{"type":"TASK_START","task_id":"h","session_id":"s","model":"m","tools":' + b"[" * 3000
+                   + b"]" * 3000 + b"}", "max_depth"),
+}
+
+
+@pytest.mark.parametrize(("payload", "names"), HOSTILE.values(), ids=HOSTILE.keys())
+def test_a_payload_past_a_limit_is_refused_by_task_and_the_next_message_is_read(payload: bytes, names: str) -> None:
+    conn = Connection(SERVER)
+    conn.receive_data(raw_frame(payload) + m.encode_message(INFER))
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.next_event()
+    assert info.value.code == "BAD_PAYLOAD" and not info.value.fatal
+    assert names in info.value.error.details
+    if names == "reason":
+        assert any(ch.isdigit() for ch in info.value.error.details["reason"]) or "finite" in str(info.value.error)
+    assert conn.next_event() == INFER
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(role=st.sampled_from(list(Role)), frames_=st.lists(st.sampled_from(list(HOSTILE.values())) | payloads,
+                                                          max_size=6), size=st.sampled_from([7, 4096, 1 << 20]))
+def test_payloads_past_the_limits_mixed_with_others_raise_only_non_fatal_protocol_errors(
+        role: Role, frames_: list[Any], size: int) -> None:
+    wire = b"".join(raw_frame(item[0]) if isinstance(item, tuple) else encode_frame(item) for item in frames_)
+    conn = Connection(role)
+    feed_everything(conn, wire, [size] * (len(wire) // size))
+    assert conn.state is ConnectionState.CLOSED
+
+
+def test_pending_frame_bytes_tells_the_size_of_the_frame_being_received() -> None:
+    wire = m.encode_message(INFER)
+    conn = Connection(SERVER)
+    assert conn.pending_frame_bytes == conn.buffered_bytes == 0
+    conn.receive_data(wire[:HEADER.size])
+    assert conn.pending_frame_bytes == len(wire) and conn.buffered_bytes == HEADER.size
+    assert conn.next_event() is NEED_DATA
+    conn.receive_data(wire[HEADER.size:] + wire)
+    assert conn.buffered_bytes == 2 * len(wire)
+    assert conn.next_event() == INFER
+    assert conn.pending_frame_bytes == conn.buffered_bytes == len(wire)
+
+
+def test_the_largest_valid_conversation_is_within_the_json_limits() -> None:
+    """MAX_CHAT_MESSAGES messages, each with a stop list's worth of punctuation, still pass the item count."""
+    chat = tuple(m.ChatMessage("user", "[{,}] \\\" ,,,") for _ in range(m.MAX_CHAT_MESSAGES))
+    request = m.InferRequest("big", model="m", messages=chat, stop=("x",) * m.MAX_STOP_STRINGS)
+    conn = Connection(SERVER)
+    conn.receive_data(m.encode_message(request))
+    assert conn.next_event() == request

@@ -225,8 +225,9 @@ def test_client_killed_mid_decode_leaves_nothing_behind(model_dir: Path) -> None
         assert daemon.models["tiny"].inflight == 0 and not daemon.agents["a"].lock.locked()
         assert len(app.appliance.socket_server.connections) == 0
         assert gate.held == 0 and gate.passed == 2
+        assert daemon.agents["a"].conversation.tokens == []  # the cancelled DECODE was rolled back
         gate.open()
-        assert fields(app.line("DECODE a 4"))["generated_tokens"] in ("4", "1", "2", "3")
+        assert fields(app.line("DECODE a 4 Hello"))["generated_tokens"] in ("4", "1", "2", "3")
         app.line("UNREGISTER a")
         assert daemon.ledger.allocated == 0 and not daemon.agents
         assert daemon.models["tiny"].runtime is None

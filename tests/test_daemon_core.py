@@ -322,18 +322,20 @@ def test_cancel_stops_at_the_next_token(tmp_path: Path) -> None:
         assert result.generation.stop_reason == "cancelled" and result.generation.generated_tokens == 3
         assert "".join(t.text for t in streamed) == result.generation.text == fake_text("Hello", 3)
         assert agent.model.inflight == 0 and not agent.lock.locked() and gate.passed == 3
+        assert agent.conversation.tokens == []  # rolled back: the request is as if never sent
 
         # The caller's task cancelled instead: the generation stops at its next token, nothing left running.
-        job = asyncio.create_task(daemon.decode("a", 100, ""))
+        job = asyncio.create_task(daemon.decode("a", 100, "Hello"))
         await gate.arrival(5)
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
         assert agent.model.inflight == 0 and not agent.lock.locked() and gate.held == 0
+        assert agent.conversation.tokens == []
         gate.open()
-        more = await daemon.decode("a", 2, "")  # the conversation continues after both
-        assert more.generation.generated_tokens == 2
-        assert len(agent.conversation.tokens) == 1 + len("Hello") + 3 + 2
+        more = await daemon.decode("a", 2, "Hello")  # the conversation goes on as if neither had been sent
+        assert more.generation.text == fake_text("Hello", 2)
+        assert len(agent.conversation.tokens) == 1 + len("Hello") + 2
 
     run(tmp_path, body)
 
@@ -396,15 +398,16 @@ def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None
 def test_context_overflow_is_refused_before_any_token(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         daemon = env.daemon
-        error = await error_of(daemon.complete("m", 60, "Hello"))
+        error = await error_of(daemon.complete("m", 60, "H" * 63))
         assert error.code == "CONTEXT_OVERFLOW"
-        assert error.details == {"n_ctx": 64, "context_tokens": 0, "prompt_tokens": 6, "requested_tokens": 60}
+        assert error.details == {"n_ctx": 64, "context_tokens": 0, "prompt_tokens": 64, "requested_tokens": 60}
         agent = await daemon.register("a", "m")
         await daemon.decode("a", 40, "Hello")
-        error = await error_of(daemon.decode("a", 20, ""))
-        assert error.code == "CONTEXT_OVERFLOW" and error.details["context_tokens"] == 46
         assert len(agent.conversation.tokens) == 46 and env.engine.tokens_generated == 40
         assert (await daemon.decode("a", 18, "")).generation.generated_tokens == 18  # exactly full is fine
+        error = await error_of(daemon.decode("a", 1, ""))
+        assert error.code == "CONTEXT_OVERFLOW" and error.details["context_tokens"] == 64
+        assert len(agent.conversation.tokens) == 64 and env.engine.tokens_generated == 58
 
     run(tmp_path, body, models={"m": {"n_ctx": 64}})
 
@@ -460,3 +463,113 @@ def test_the_sweep_period_follows_the_current_config(tmp_path: Path) -> None:
     assert sweep_period(make_config(tmp_path, {"m": {"idle_ttl_s": 0}})) == 5  # no TTL: the longest period
     assert sweep_period(make_config(tmp_path, {"m": {"idle_ttl_s": 0.1}})) == 0.05  # never busier than that
     assert sweep_period(make_config(tmp_path, {})) == 5
+
+
+# -- agent idle TTL (L11) -------------------------------------------------------------------------------------
+
+def test_idle_agents_expire_and_their_model_goes_with_the_last(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        daemon, clock, gate = env.daemon, env.clock, env.engine.gate
+        owner = object()
+        await daemon.register("idle", "m")
+        await daemon.register("owned", "m", owner=owner)  # a MAGN connection's agent expires too
+        await daemon.register("talker", "m")
+        clock.advance(50)
+        await daemon.decode("talker", 2, "Hi")  # a decode restarts its timer
+        clock.advance(10)
+        assert await daemon.sweep_idle() == []  # models: none; agents: the two idle ones went
+        assert sorted(daemon.agents) == ["talker"] and daemon.counters["agents_expired"] == 2
+        assert (await error_of(daemon.decode("owned", 1, "x"))).code == "UNKNOWN_AGENT"
+        await daemon.release_owner(owner)  # the connection closing later finds nothing left to do
+        gate.close()
+        running = asyncio.create_task(daemon.decode("talker", 2, "Hi"))
+        await gate.arrival(1)
+        clock.advance(1e6)
+        assert await daemon.expire_agents() == []  # never while a command runs on it
+        gate.open()
+        await running
+        clock.advance(59.9)
+        assert await daemon.expire_agents() == []  # finishing counts as a use
+        clock.advance(0.1)
+        assert await daemon.expire_agents() == ["talker"]
+        model = daemon.models["m"]  # the last agent gone: its model is unloaded (L4)
+        assert not daemon.agents and model.refcount == 0 and model.state == "available"
+        assert daemon.ledger.allocated == 0
+
+    run(tmp_path, body, agent_idle_ttl_s=60)
+
+
+def test_agents_never_expire_by_default(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        await env.daemon.register("a", "m")
+        env.clock.advance(1e9)
+        assert await env.daemon.sweep_idle() == [] and list(env.daemon.agents) == ["a"]
+
+    assert make_config(tmp_path, {}).agent_idle_ttl_s == 0
+    run(tmp_path, body)
+
+
+def test_an_agent_used_while_the_sweep_works_on_another_stays(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        daemon, clock, engine = env.daemon, env.clock, env.engine
+        await daemon.register("x", "other")
+        await daemon.register("a", "m")
+        clock.advance(61)  # both idle past the TTL when the sweep reads them
+        engine.close_gate.close()  # x is the last on its model: hold the sweep in that model's unload
+        sweep = asyncio.create_task(daemon.expire_agents())
+        await engine.close_gate.arrival(1)
+        clock.advance(1)
+        running = asyncio.create_task(daemon.decode("a", 1, "Hi"))  # a is used meanwhile
+        await asyncio.sleep(0)
+        engine.close_gate.open()
+        await running
+        assert await sweep == ["x"] and list(daemon.agents) == ["a"]  # a re-checked under its lock: stays
+
+    run(tmp_path, body, models={"m": {}, "other": {}}, agent_idle_ttl_s=60)
+
+
+# -- log lines ------------------------------------------------------------------------------------------------
+
+def test_loads_unloads_agents_expiry_and_denials_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    models = {"m": {"idle_ttl_s": 30}, "big": {"vram_bytes": "100GiB"}, "broken": {}}
+
+    async def body(env: Env) -> None:
+        daemon, clock = env.daemon, env.clock
+        await daemon.register("a", "m", owner=object())
+        await daemon.unregister("a")
+        await daemon.register("b", "m")
+        clock.advance(100)
+        await daemon.sweep_idle()
+        await daemon.complete("m", 1, "Hi")
+        clock.advance(30)
+        await daemon.sweep_idle()
+        await error_of(daemon.register("c", "big"))
+        env.engine.fail_load("broken")
+        await error_of(daemon.complete("broken", 1, "Hi"))
+        await daemon.register("d", "m")
+
+    caplog.set_level("INFO", logger="appliance.daemon.core")
+    run(tmp_path, body, models=models, agent_idle_ttl_s=60)
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "appliance.daemon.core"]
+    text = [message for _, message in records]
+
+    def find(*parts: str) -> list[tuple[str, str]]:
+        return [(level, msg) for level, msg in records if all(part in msg for part in parts)]
+
+    assert len(find("model m loaded: estimate 1073741824 bytes", " s")) == 4
+    assert find("agent a registered on model m", "owned by its connection")
+    assert find("agent a unregistered (UNREGISTER)") and find("agent b registered on model m")
+    assert find("agent b unregistered (expired: idle for 100.0 s, agent_idle_ttl_s 60 s)")
+    assert len(find("model m unloaded (last agent left)")) == 2
+    expiry = text.index("model m expired: idle for 30.0 s, TTL 30 s")
+    assert text[expiry + 1] == "model m unloaded (idle TTL)"
+    denial = find("model big denied by the VRAM ledger", "needs 107374182400 bytes", "of ")
+    assert [level for level, _ in denial] == ["WARNING"]
+    assert [level for level, _ in find("model broken not loaded: MODEL_LOAD_FAILED")] == ["WARNING"]
+    assert find("model m unloaded (shutdown)") and find("1 agents dropped at shutdown")
+    assert all("Traceback" not in message for message in text)
+
+
+def test_the_sweep_period_follows_the_agent_idle_ttl_too(tmp_path: Path) -> None:
+    config = make_config(tmp_path, {"m": {"idle_ttl_s": 0}})
+    assert sweep_period(config.with_overrides(agent_idle_ttl_s=2.0)) == 0.5

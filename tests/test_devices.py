@@ -282,6 +282,7 @@ def test_nvml_errors_name_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ApplianceError) as info:
         dev.read()
     assert info.value.code == "INTERNAL" and "nvml:0" in info.value.message
+    assert "GPU is lost" not in info.value.message and info.value.details == {"device": "nvml:0"}  # log only
     driver_gone = pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
     monkeypatch.setattr(pynvml, "nvmlInit", lambda: stub._answer(driver_gone))
     monkeypatch.setattr(devices, "_nvml_ready", False)

@@ -5,17 +5,21 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from appliance.protocol import frames
 from appliance.protocol.frames import (
     CLOSED,
     HEADER,
     MAGIC,
     MAGIC_BYTES,
     MAX_JSON_DEPTH,
+    MAX_JSON_INT_DIGITS,
+    MAX_JSON_ITEMS,
     NEED_DATA,
     VERSION,
     Frame,
@@ -23,6 +27,7 @@ from appliance.protocol.frames import (
     LocalProtocolError,
     ParserState,
     RemoteProtocolError,
+    count_json_items,
     encode_frame,
     looks_like_magn,
 )
@@ -252,17 +257,17 @@ def test_encoder_refuses_what_is_not_strict_json(payload: object) -> None:
     assert info.value.code == "BAD_PAYLOAD"
 
 
-@pytest.mark.parametrize(("payload", "field", "reason"), [
-    ({"a": {"b": [1, float("nan")]}}, "a.b[1]", "number is not finite"),
-    ({"a": [{"b": 2**64}]}, "a[0].b", "integer out of the 64-bit range"),
-    ({"a": {"\ud800": 1}}, "a", "string is not valid Unicode"),
-    ({"a": {2: 1}}, "a", "object key 2 is not a string"),
-    ({"a": (1,)}, "a", "tuple is not a JSON type"),
+@pytest.mark.parametrize(("payload", "field", "reason", "limit"), [
+    ({"a": {"b": [1, float("nan")]}}, "a.b[1]", "number is not finite", {}),
+    ({"a": [{"b": 2**64}]}, "a[0].b", "integer out of the 64-bit range", {"min": -(2**63), "max": 2**64 - 1}),
+    ({"a": {"\ud800": 1}}, "a", "string is not valid Unicode", {}),
+    ({"a": {2: 1}}, "a", "object key 2 is not a string", {}),
+    ({"a": (1,)}, "a", "tuple is not a JSON type", {}),
 ], ids=repr)
-def test_encoder_names_the_offending_value(payload: dict, field: str, reason: str) -> None:
+def test_encoder_names_the_offending_value(payload: dict, field: str, reason: str, limit: dict) -> None:
     with pytest.raises(LocalProtocolError) as info:
         encode_frame(payload)
-    assert info.value.error.details == {"field": field, "reason": reason}
+    assert info.value.error.details == {"field": field, "reason": reason, **limit}
     assert info.value.error.message == f"{field}: {reason}"
 
 
@@ -296,6 +301,111 @@ def test_an_unsupported_version_can_be_encoded_to_test_a_peer() -> None:
     wire = encode_frame({}, version=2)
     assert wire[4:6] == b"\x00\x02"
     assert refused(wire).code == "UNSUPPORTED_VERSION"
+
+
+# --- payload limits: refused before (or while) the JSON is parsed, naming the limit ---------------------------------
+
+def _array_of(item: bytes, count: int) -> bytes:
+    return b'{"a": [' + b",".join([item] * count) + b"]}"
+
+
+LIMITS = {
+    "wide array": (_array_of(b"1", MAX_JSON_ITEMS + 2), {"max_json_items": MAX_JSON_ITEMS}),
+    "array of empty arrays": (_array_of(b"[]", MAX_JSON_ITEMS), {"max_json_items": MAX_JSON_ITEMS}),
+    "array of empty strings": (_array_of(b'""', MAX_JSON_ITEMS + 2), {"max_json_items": MAX_JSON_ITEMS}),
+    "object of many keys": (b"{" + b",".join(b'"k%d":0' % i for i in range(MAX_JSON_ITEMS + 2)) + b"}",
+                            {"max_json_items": MAX_JSON_ITEMS}),
+    "brackets without end": (b"[" * (MAX_JSON_ITEMS + 1), {"max_json_items": MAX_JSON_ITEMS}),
+    "int of 21 digits": (b'{"a": ' + b"1" * (MAX_JSON_INT_DIGITS + 1) + b"}", {"max_int_digits": MAX_JSON_INT_DIGITS}),
+    "negative int of 5000 digits": (b'{"a": -' + b"9" * 5000 + b"}", {"max_int_digits": MAX_JSON_INT_DIGITS}),
+    "nested past the recursion limit": (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", {"max_depth": MAX_JSON_DEPTH}),
+    "nested past the depth limit": (b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}",
+                                    {"max_depth": MAX_JSON_DEPTH}),
+    "int past 64 bits": (b'{"a": 18446744073709551616}', {"min": -(2**63), "max": 2**64 - 1}),
+}
+
+
+@pytest.mark.parametrize(("payload", "limit"), LIMITS.values(), ids=LIMITS.keys())
+def test_a_payload_past_a_limit_is_a_recoverable_bad_payload_naming_the_limit(payload: bytes, limit: dict) -> None:
+    error = refused(raw_frame(payload) + GOLDEN[0][1])
+    assert error.code == "BAD_PAYLOAD" and not error.fatal
+    assert error.error.details["stage"] == "json"
+    assert {key: error.error.details.get(key) for key in limit} == limit
+
+
+@pytest.mark.parametrize("payload", [
+    _array_of(b"1", MAX_JSON_ITEMS - 1),
+    _array_of(b'"[,{"', MAX_JSON_ITEMS // 4),  # brackets and commas in strings do not count
+    b'{"a": "' + b"[{," * MAX_JSON_ITEMS + b'"}',
+    b'{"a": "' + b'\\\"[' * MAX_JSON_ITEMS + b'"}',  # escaped quotes and backslashes do not end the string
+    b'{"a": ' + b"1" * MAX_JSON_INT_DIGITS + b', "b": -' + b"9" * 18 + b"}",
+], ids=["items at the limit", "strings holding brackets", "one string of brackets", "escaped quotes", "long ints"])
+def test_payloads_within_the_limits_are_accepted(payload: bytes) -> None:
+    frames, _ = parse_all(raw_frame(payload + b" "))
+    assert frames and frames[0].payload == json.loads(payload)
+
+
+def test_a_payload_too_wide_to_be_accepted_is_refused_by_the_encoder_too() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frame({"a": [0] * (MAX_JSON_ITEMS + 1)})
+    assert info.value.error.details["max_json_items"] == MAX_JSON_ITEMS
+
+
+JSON_TEXT = st.recursive(st.none() | st.integers() | st.text(alphabet='[]{},:"\\ab'),
+                         lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text('[{,"\\'), kids,
+                                                                                   max_size=4), max_leaves=30)
+
+
+@given(JSON_TEXT, st.booleans(), st.sampled_from([0, 1, 3, 8]))
+def test_count_json_items_is_above_the_limit_exactly_when_the_structure_is(value: object, indent: bool,
+                                                                           limit: int) -> None:
+    """Brackets, braces and commas inside strings (escaped quotes and backslashes too) are never counted against
+    the limit (here lowered, to reach the exact count's path)."""
+    text = json.dumps(value, indent=1 if indent else None)
+    structure = json.dumps(_skeleton(value))  # the same value with every string emptied
+    expected = structure.count("[") + structure.count("{") + structure.count(",")
+    with mock.patch.object(frames, "MAX_JSON_ITEMS", limit):
+        assert (count_json_items(text) > limit) == (expected > limit)
+
+
+def _skeleton(value: object) -> object:
+    if isinstance(value, str):
+        return ""
+    if isinstance(value, list):
+        return [_skeleton(item) for item in value]
+    if isinstance(value, dict):
+        return {str(index): _skeleton(item) for index, item in enumerate(value.values())}
+    return value
+
+
+def test_a_16_mib_frame_of_nested_arrays_is_refused_quickly() -> None:
+    """Was 4.6 s on the event loop (issue #8); now the structure is counted at C speed first."""
+    import time
+
+    payload = b'{"a": [' + b"[[]]," * ((12 * 1024 * 1024 - 64) // 5) + b"[]]}"
+    wire = raw_frame(payload)
+    assert len(wire) > 15 * 1024 * 1024
+    started = time.perf_counter()
+    error = refused(wire)
+    elapsed = time.perf_counter() - started
+    assert error.error.details["max_json_items"] == MAX_JSON_ITEMS
+    assert elapsed < 2.0, f"took {elapsed:.2f} s"  # about 0.1 s; a loose bound for a slow, busy machine
+
+
+def test_pending_frame_bytes_announces_the_frame_before_it_is_complete() -> None:
+    wire = GOLDEN[0][1]
+    parser = FrameParser()
+    assert parser.pending_frame_bytes == parser.buffered_bytes == 0
+    parser.receive_data(wire[:4])
+    assert parser.pending_frame_bytes == parser.buffered_bytes == 4
+    parser.receive_data(wire[4:12])
+    assert parser.pending_frame_bytes == len(wire) and parser.buffered_bytes == 12
+    assert parser.next_event() is NEED_DATA
+    assert parser.pending_frame_bytes == len(wire)
+    parser.receive_data(wire[12:] + wire[:3])
+    assert parser.buffered_bytes == len(wire) + 3
+    assert parser.next_event() == Frame(GOLDEN[0][0])
+    assert parser.pending_frame_bytes == parser.buffered_bytes == 3
 
 
 # --- fuzzing -----------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ exception handler, on a real uvicorn server."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -57,3 +59,23 @@ def test_unknown_route_and_method_are_p4(http_url: str) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
     wrong = httpx.delete(http_url + "/v1/health")
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
+
+
+def test_http_connections_over_max_connections_get_a_p4_503_and_a_dribbled_head_times_out(tiny_model: Path) -> None:
+    with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], max_connections=1,
+                 socket={"path": "a.sock", "request_timeout_s": 0.5}) as app:
+        url = app.appliance.http_url
+        assert url is not None
+        with httpx.Client() as first:  # holds the only slot (kept alive)
+            assert first.get(url + "/v1/health").status_code == 200
+            refused = httpx.get(url + "/v1/health")
+            assert refused.status_code == 503
+            assert refused.json()["error"] == {"code": "TOO_MANY_CONNECTIONS", "retryable": True,
+                                               "message": "the daemon serves at most 1 clients",
+                                               "details": {"max_connections": 1}}
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"GET /v1/health HTTP/1.1\r\n")  # the head never ends
+            start = time.monotonic()
+            assert slow.recv(100) == b""  # closed by the request timeout
+            assert 0.4 < time.monotonic() - start < 5

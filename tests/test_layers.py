@@ -34,6 +34,8 @@ PURE = [
     "engine.chat",
     "engine.gguf_meta",
     "engine.interface",
+    "engine.streamtext",
+    "engine.worker",
     "supervisor.plan",
     "supervisor.record",
 ]

@@ -155,6 +155,11 @@ INVALID = [
     ("INFER_REQUEST", {"temperature": -0.1}, "temperature"),
     ("INFER_REQUEST", {"temperature": 2.01}, "temperature"),
     ("INFER_REQUEST", {"temperature": 10**400}, "temperature"),
+    ("INFER_REQUEST", {"temperature": float("nan")}, "temperature"),
+    ("INFER_REQUEST", {"top_p": float("inf")}, "top_p"),
+    ("INFER_REQUEST", {"stream": 1}, "stream"),
+    ("STREAM_TOKEN", {"token_id": True}, "token_id"),
+    ("STREAM_TOKEN", {"token_id": 2**31}, "token_id"),
     ("INFER_REQUEST", {"top_p": 0}, "top_p"),
     ("INFER_REQUEST", {"top_p": 1.5}, "top_p"),
     ("INFER_REQUEST", {"stop": "\n"}, "stop"),
@@ -351,3 +356,14 @@ def test_any_json_object_parses_or_is_refused_as_bad_payload(payload: dict[str, 
         parse_message(payload)
     except RemoteProtocolError as exc:
         assert exc.code == "BAD_PAYLOAD" and not exc.fatal
+
+
+@pytest.mark.parametrize(("kind", "changes", "bounds"), [
+    ("INFER_REQUEST", {"max_tokens": MAX_TOKENS_LIMIT + 1}, f"[1, {MAX_TOKENS_LIMIT}]"),
+    ("INFER_REQUEST", {"max_tokens": True}, f"[1, {MAX_TOKENS_LIMIT}]"),
+    ("INFER_REQUEST", {"temperature": float("nan")}, "[0.0, 2.0]"),
+    ("INFER_REQUEST", {"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"0 to {MAX_STOP_STRINGS}"),
+    ("INFER_REQUEST", {"task_id": "x" * (MAX_ID_CHARS + 1)}, f"1 to {MAX_ID_CHARS}"),
+])
+def test_a_refusal_names_the_limit_it_broke(kind: str, changes: dict[str, Any], bounds: str) -> None:
+    assert bounds in refusal(with_(kind, **changes)).error.details["reason"]

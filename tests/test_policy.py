@@ -1,4 +1,4 @@
-"""Table-driven unit tests of the pure daemon policies (L4, L7, R4): no models, no clocks, no sleeps."""
+"""Table-driven unit tests of the pure daemon policies (L4, L7, L11, R4): no models, no clocks, no sleeps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from appliance.daemon.policy import ModelView, expired, inside, unload_on_release
+from appliance.daemon.policy import (
+    AgentView,
+    ModelView,
+    expired,
+    idle_agents,
+    inside,
+    sweep_period,
+    unload_on_release,
+)
 
 
 def view(key: str = "m", *, loaded: bool = True, refcount: int = 0, inflight: int = 0, last_used: float = 100.0,
@@ -98,3 +106,44 @@ def test_inside_takes_resolved_paths_only() -> None:
     mistaken for a path inside."""
     assert inside(P("/models/../etc/passwd"), [P("/models")]) is True  # lexically inside: resolve first!
     assert inside(P("/etc/passwd"), [P("/models")]) is False
+
+
+# -- idle agents (L11) -------------------------------------------------------------------------------------
+
+IDLE_AGENT = [
+    # (last_used, busy, now, ttl, expired?)
+    (100.0, False, 160.0, 60.0, True),  # idle exactly its TTL
+    (100.0, False, 159.999, 60.0, False),  # a hair short
+    (100.0, True, 1e9, 60.0, False),  # a command runs or waits on it
+    (100.0, False, 1e9, 0.0, False),  # 0 = agents never expire (the default)
+    (200.0, False, 150.0, 60.0, False),  # a use "in the future" is not idle
+    (0.0, False, 0.25, 0.25, True),  # sub-second TTLs work
+]
+
+
+@pytest.mark.parametrize(("last_used", "busy", "now", "ttl", "want"), IDLE_AGENT)
+def test_idle_agents_single(last_used: float, busy: bool, now: float, ttl: float, want: bool) -> None:
+    assert idle_agents([AgentView("a", last_used, busy)], now, ttl) == (["a"] if want else [])
+
+
+def test_idle_agents_picks_the_idle_ones_in_order() -> None:
+    agents = [AgentView("old", 0.0, False), AgentView("fresh", 90.0, False), AgentView("busy", 0.0, True),
+              AgentView("older", -5.0, False)]
+    assert idle_agents(agents, 100.0, 60.0) == ["old", "older"]
+
+
+# -- the sweep period ----------------------------------------------------------------------------------------
+
+SWEEP = [
+    ([], 5.0),  # nothing expires: the longest period
+    ([0.0, 0.0], 5.0),  # 0 = off
+    ([8.0], 2.0),  # a quarter of the TTL
+    ([3600.0, 8.0, 0.0], 2.0),  # the shortest TTL that is on
+    ([0.1], 0.05),  # never busier than 20 sweeps a second
+    ([1e9], 5.0),  # never lazier than one sweep every 5 s
+]
+
+
+@pytest.mark.parametrize(("ttls", "want"), SWEEP)
+def test_sweep_period(ttls: list[float], want: float) -> None:
+    assert sweep_period(ttls) == want

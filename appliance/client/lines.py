@@ -1,11 +1,17 @@
-"""A blocking line-protocol client (SPEC L6) for the CLI and tests."""
+"""A blocking line-protocol client (SPEC L6) for the CLI and tests.
+
+Replies are read line by line (split on ``\\n`` only) up to ``ERR …`` or ``END_RESPONSE``; the body is unescaped
+by :func:`appliance.protocol.lines.parse_reply` (no body line can equal ``END_RESPONSE``: see that module).
+"""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 from appliance.errors import ApplianceError
+from appliance.protocol.lines import parse_reply
 
 
 def request(path: Path | str, line: str, timeout: float | None = 300.0) -> str:
@@ -21,7 +27,8 @@ def request(path: Path | str, line: str, timeout: float | None = 300.0) -> str:
         return read_reply(sock.makefile("r", encoding="utf-8", newline="\n"))
 
 
-def read_reply(stream) -> str:  # type: ignore[no-untyped-def]
+def read_reply(stream: Iterable[str]) -> str:
+    """One whole reply from a text stream of ``\\n``-terminated lines (open it with ``newline="\\n"``)."""
     out: list[str] = []
     in_body = False
     for line in stream:
@@ -37,22 +44,13 @@ def read_reply(stream) -> str:  # type: ignore[no-untyped-def]
 
 
 def response_body(reply: str) -> str:
-    """The text between BEGIN_RESPONSE and END_RESPONSE."""
-    start = reply.index("BEGIN_RESPONSE\n") + len("BEGIN_RESPONSE\n")
-    end = reply.rindex("END_RESPONSE")
-    return reply[start:end].removesuffix("\n")
+    """The body's text, unescaped ("" when the reply has no body line); ValueError for an ERR reply."""
+    parsed = parse_reply(reply)
+    if parsed.error is not None:
+        raise ValueError(f"an error reply has no body: {reply.strip()}")
+    return parsed.body or ""
 
 
 def header_fields(reply: str) -> dict[str, str]:
-    """All ``key=value`` pairs of the OK header lines (values unquoted)."""
-    import shlex
-
-    fields: dict[str, str] = {}
-    for line in reply.splitlines():
-        if line == "BEGIN_RESPONSE":
-            break
-        if line.startswith("OK "):
-            for part in shlex.split(line[3:]):
-                key, _, value = part.partition("=")
-                fields[key] = value
-    return fields
+    """All ``key=value`` pairs of the OK header lines (or of the ERR line), values unquoted and unescaped."""
+    return parse_reply(reply).fields

@@ -49,7 +49,7 @@ _BINARY_UNITS: list[tuple[str, int]] = [
     ("MiB", 1024**2),
     ("KiB", 1024),
 ]
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
 _MODE = re.compile(r"(?:0o|0)?([0-7]{3})")
 
 
@@ -114,7 +114,7 @@ def parse_device(value: Any) -> str:
     argument = argument.strip()
     if kind in ("auto", "host") and not colon:
         return kind
-    if kind == "nvml" and argument.isdigit():
+    if kind == "nvml" and argument.isascii() and argument.isdigit() and len(argument) <= 3:
         return f"nvml:{int(argument)}"
     if kind == "fake" and _size_match(argument) is not None and parse_size(argument) > 0:
         return f"fake:{argument}"

@@ -16,13 +16,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.events import (
+    AliasEvent,
+    CollectionEndEvent,
+    CollectionStartEvent,
+    Event,
+    NodeEvent,
+    ScalarEvent,
+)
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from appliance.config import schema
@@ -50,6 +60,18 @@ __all__ = [
 ]
 
 DEFAULT_FILE = "appliance.yaml"
+
+MAX_CONFIG_BYTES = 1024 * 1024
+"""A larger config file is refused before it is parsed."""
+MAX_DEPTH = 32
+"""Mappings and sequences nested deeper than this are refused (no recursion ever follows them)."""
+MAX_ALIASES = 100
+"""Alias uses (``*name``) in one file."""
+MAX_NODES = 20_000
+"""Nodes in the file with every alias expanded (what building the values would make): bounds alias bombs."""
+
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser and composer when PyYAML has them (a 1 MiB file in milliseconds), else the pure one."""
 
 CLASSES: dict[str, type] = {
     "": Config,
@@ -124,6 +146,32 @@ def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null"
 
 
+MAX_NUMBER_DIGITS = 30
+"""A number written with more digits is refused before it is converted (no setting needs more than 20)."""
+_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS)
+_NUMBER = re.compile(r"[-+]?[0-9_]*\.?[0-9_]*(?:[eE][-+]?[0-9]+)?[A-Za-z]*")
+
+
+def _longest_number(node: Node) -> int:
+    """The most digits in a number written as ``node`` or one of its items (``[4096, 2]``); 0 when none."""
+    scalars = node.value if isinstance(node, SequenceNode) else [node]
+    longest = 0
+    for scalar in scalars:
+        if isinstance(scalar, ScalarNode) and _NUMBER.fullmatch(scalar.value):
+            longest = max(longest, sum(char.isdigit() for char in scalar.value))
+    return longest
+
+
+def _non_ascii_digit(node: Node) -> str | None:
+    """The first digit of a scalar ``node`` that is not ASCII 0-9 (``²``, ``٣``), or None."""
+    if not isinstance(node, ScalarNode) or not isinstance(node.value, str):
+        return None
+    for char in node.value:
+        if char.isdigit() and not char.isascii():
+            return char
+    return None
+
+
 def _line(node: Node) -> int:
     """The 1-based line where ``node`` starts."""
     return node.start_mark.line + 1
@@ -142,6 +190,8 @@ def _violation(setting: schema.Setting, value: Any, raw: Any) -> str | None:
     got = f"(got {shown})"
     if setting.choices and value not in setting.choices:
         return f"must be one of {', '.join(setting.choices)} {got}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number {got}"
     if isinstance(value, int | float):
         if setting.minimum is not None and value < setting.minimum:
             return f"must be ≥ {setting.spell(setting.minimum)} {got}"
@@ -257,10 +307,20 @@ class _Validator:
 
     def value(self, setting: schema.Setting, node: Node, where: str) -> Any:
         """The converted value of ``setting`` from its ``node``, or ``_BAD`` (reported)."""
+        non_ascii = _non_ascii_digit(node)
+        if non_ascii is not None:
+            self.report(where, node, f"digits must be ASCII 0-9 (got {non_ascii!r})")
+            return _BAD
+        digits = 0 if setting.kind in _TEXT_KINDS else _longest_number(node)
+        if digits > MAX_NUMBER_DIGITS:
+            self.report(where, node, f"number too large ({digits} digits; limit {MAX_NUMBER_DIGITS})")
+            return _BAD
         try:
             return self._convert(setting, node)
         except ValueError as exc:
             self.report(where, node, str(exc))
+        except OverflowError:
+            self.report(where, node, f"number too large (got {len(str(node.value))} characters)")
         except yaml.YAMLError as exc:
             self.report(where, node, f"unreadable value: {exc}")
         return _BAD
@@ -370,10 +430,75 @@ def _base_folder(source: Path | None, base_dir: Path | None) -> Path:
     return Path(os.path.abspath(folder.expanduser()))
 
 
+class _TooBig(Exception):
+    """The YAML breaks one of the shape limits (depth, aliases, expanded nodes) at ``line``."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.message = message
+
+
+def _event_line(event: Event) -> int:
+    return event.start_mark.line + 1
+
+
+def _check_shape(text: str) -> None:
+    """Raise :class:`_TooBig` when ``text``'s YAML nests deeper than :data:`MAX_DEPTH`, uses more than
+    :data:`MAX_ALIASES` aliases, or expands to more than :data:`MAX_NODES` nodes.
+
+    It reads parser events only (no recursion, no values built), so it stops at the first event past a limit.
+    The running total counts each alias as the size of the node it names, which is what constructing the
+    values would build."""
+    expanded = 0
+    aliases = 0
+    open_starts: list[tuple[str | None, int]] = []  # per open collection: its anchor, the total at its start
+    sizes: dict[str, int] = {}  # anchor -> expanded size of its (complete) node
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, CollectionStartEvent):
+            if len(open_starts) >= MAX_DEPTH:
+                raise _TooBig(_event_line(event), f"nested deeper than {MAX_DEPTH} levels (limit {MAX_DEPTH})")
+            open_starts.append((event.anchor, expanded))
+            expanded += 1
+        elif isinstance(event, CollectionEndEvent):
+            anchor, start = open_starts.pop()
+            if anchor is not None:
+                sizes[anchor] = expanded - start
+        elif isinstance(event, AliasEvent):
+            aliases += 1
+            if aliases > MAX_ALIASES:
+                raise _TooBig(_event_line(event), f"more than {MAX_ALIASES} aliases (limit {MAX_ALIASES})")
+            size = sizes.get(event.anchor)
+            if size is None:
+                raise _TooBig(_event_line(event), f"alias *{event.anchor} names no complete anchor before it")
+            expanded += size
+        elif isinstance(event, ScalarEvent):
+            expanded += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        if isinstance(event, NodeEvent) and expanded > MAX_NODES:
+            raise _TooBig(_event_line(event),
+                          f"more than {MAX_NODES} values with aliases expanded (limit {MAX_NODES})")
+
+
+def _too_large(file: str) -> Problem:
+    return Problem("", None, f"the file is larger than {MAX_CONFIG_BYTES // 1024} KiB (limit {MAX_CONFIG_BYTES} bytes)",
+                   file)
+
+
 def _compose(text: str, file: str, source: Path | None) -> Node | None:
-    """The YAML node tree of ``text``'s top-level mapping (None: empty), or :class:`ConfigInvalid`."""
+    """The YAML node tree of ``text``'s top-level mapping (None: empty), or :class:`ConfigInvalid`.
+
+    The shape limits are checked on the parser's events first, so nothing recursive or expanding ever
+    sees a hostile file."""
+    size = len(text) if len(text) > MAX_CONFIG_BYTES else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigInvalid([_too_large(file)], source)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_shape(text)
+        root = yaml.compose(text, Loader=_LOADER)
+    except _TooBig as exc:
+        raise ConfigInvalid([Problem("", exc.line, f"YAML refused: {exc.message}", file)], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
@@ -433,7 +558,11 @@ def load_config(path: str | os.PathLike[str], *, check_files: bool | Callable[[P
     """Read and parse the file at ``path``; an unreadable file raises :class:`ConfigInvalid` too."""
     source = Path(path)
     try:
-        text = source.read_text(encoding="utf-8")
+        with source.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # never more: the file may be huge, or endless (a FIFO)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigInvalid([_too_large(str(source))], source)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid([Problem("", None, f"cannot read the file: {exc}", str(source))], source) from None
     return parse_config(text, source=source, check_files=check_files)

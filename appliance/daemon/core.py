@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
-from appliance.daemon import policy
+from appliance.daemon import hostkv, policy
 from appliance.daemon.devices import DeviceReading, MemoryDevice
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.engine import gguf_meta
@@ -38,7 +39,10 @@ from appliance.engine.interface import (
     Sampling,
     Token,
 )
+from appliance.engine.worker import DEFAULT_QUEUE
 from appliance.errors import ApplianceError
+
+log = logging.getLogger(__name__)
 
 ModelState = Literal["available", "loading", "loaded", "unloading"]
 """A model's lifecycle, as health, the registry file and STATUS show it: ``available`` (not in memory) ->
@@ -58,6 +62,7 @@ class Model:
     inflight: int = 0
     last_used: float = 0.0
     baseline: int = 0
+    kv_bytes_per_token: int = 0  # the largest ratio its KV swaps showed (engine thread): sizes a state before a swap
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -80,6 +85,17 @@ class Agent:
     conversation: Conversation = field(default_factory=Conversation)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     owner: object | None = None  # a connection that owns this agent (MAGN sessions); None = until UNREGISTER
+    last_used: float = 0.0  # when it registered or last decoded (agent_idle_ttl_s, host KV drop order)
+
+    def view(self) -> policy.AgentView:
+        return policy.AgentView(self.id, self.last_used, self.lock.locked())
+
+    def held(self) -> hostkv.HeldState | None:
+        """Its host KV buffer as the budget sees it (None when it holds none). Read on the engine thread."""
+        conv = self.conversation
+        if conv.buffer is None:
+            return None
+        return hostkv.HeldState(self.id, len(conv.buffer), conv.where == "host", self.last_used)
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,8 @@ class DecodeResult:
     generation: Generation
     evicted: str | None
     restored: bool
+    rebuilt: bool = False  # its parked KV state had been dropped (host_kv_budget): its tokens were re-evaluated
+    dropped: tuple[str, ...] = ()  # agents whose parked KV state this decode dropped to stay within host_kv_budget
 
 
 def model_defaults(name: str, path: Path) -> ModelConfig:
@@ -108,6 +126,42 @@ def process_bytes(reading: DeviceReading) -> int:
         return reading.process_used
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def physical_memory() -> int:
+    """Physical RAM in bytes: ``MemTotal`` of ``/proc/meminfo``, else ``sysconf``."""
+    with contextlib.suppress(OSError):
+        with open("/proc/meminfo") as fh:
+            total = hostkv.meminfo_total(fh.read())
+        if total is not None:
+            return total
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def log_load_failure(name: str, error: ApplianceError) -> None:
+    """One WARNING line for a model that was not loaded: a ledger denial with its figures, or the failure."""
+    if error.code == "VRAM_LEDGER_DENY":
+        details = error.details or {}
+        log.warning("model %s denied by the VRAM ledger: needs %s bytes, %s of %s bytes allocated", name,
+                    details.get("requested_table_bytes"), details.get("ledger_allocated_bytes"),
+                    details.get("ledger_max_bytes"))
+    else:
+        log.warning("model %s not loaded: %s %s", name, error.code, error.message)
+
+
+def buffer_bytes(conv: Conversation) -> int:
+    """The bytes of ``conv``'s host buffer (read once: the engine thread may drop it meanwhile)."""
+    buffer = conv.buffer
+    return 0 if buffer is None else len(buffer)
+
+
+def forget_parked(conv: Conversation) -> None:
+    """Drop a parked conversation's KV state: it keeps its tokens, and its next attach re-evaluates them (the
+    runtime starts from an empty context when ``where`` is not ``host``). Engine thread only."""
+    conv.buffer = None
+    conv.nbytes = 0
+    conv.where = "empty"
+    conv.n_evaluated = 0
 
 
 class Daemon:
@@ -142,7 +196,9 @@ class Daemon:
         self.external = external_used(self.reading.used, self.reading.process_used, 0)
         self.ledger = Ledger(compute_cap(self.reading.total, config.admission_percent, self.external))
         self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
-                                         "denials": 0}
+                                         "denials": 0, "host_kv_drops": 0, "host_kv_rebuilds": 0,
+                                         "agents_expired": 0}
+        self.physical_memory = physical_memory()
         self.closing = False
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
         self.reports: dict[str, Callable[[], dict[str, Any]]] = {}  # other parts' figures for STATUS
@@ -190,15 +246,21 @@ class Daemon:
         return gguf_meta.estimate(shape, model.spec.n_ctx, model.spec.cache_type).total
 
     async def acquire(self, model: Model) -> None:
-        """Make sure ``model`` is loaded: estimate -> reserve -> load; any failure rolls back (L3)."""
+        """Make sure ``model`` is loaded: estimate -> check -> reserve -> load; any failure rolls back (L3)."""
         async with model.lock:
             if model.runtime is not None:
                 return
             model.state = "loading"
             interrupted = False
+            started = time.perf_counter()
             try:
                 if model.estimate is None:
                     model.estimate = await asyncio.to_thread(self.estimate, model)
+                # A trial load in a child process (llama.cpp aborts on some bad files): off the loop and off
+                # the engine thread, before anything is reserved.
+                spec = model.spec
+                await asyncio.to_thread(self.engine.check, model.path, n_ctx=spec.n_ctx,
+                                        n_gpu_layers=spec.n_gpu_layers)
                 with self.ledger.reservation(model.key, model.estimate) as pending:
                     load = asyncio.ensure_future(self.engine.call(self._load, model))
                     try:
@@ -209,8 +271,11 @@ class Daemon:
                         interrupted = True
                         model.runtime = await load
                     pending.commit()
+                log.info("model %s loaded: estimate %d bytes, %.2f s", model.key, model.estimate,
+                         time.perf_counter() - started)
             except ApplianceError as exc:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
+                log_load_failure(model.key, exc)
                 raise
             finally:
                 model.state = "available" if model.runtime is None else "loaded"
@@ -224,9 +289,10 @@ class Daemon:
         spec = model.spec
         return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
 
-    async def unload(self, model: Model, still: Callable[[policy.ModelView], bool] | None = None) -> bool:
+    async def unload(self, model: Model, still: Callable[[policy.ModelView], bool] | None = None,
+                     reason: str = "requested") -> bool:
         """Unload ``model`` and release its bytes; with ``still``, only if the policy still agrees once the
-        model's lock is held (an agent may have registered meanwhile)."""
+        model's lock is held (an agent may have registered meanwhile). ``reason`` goes to the log line."""
         async with model.lock:
             if model.runtime is None or (still is not None and not still(model.view())):
                 return False
@@ -237,15 +303,49 @@ class Daemon:
             finally:  # the runtime is gone from the daemon either way: so are its bytes
                 model.state = "available"
                 self.ledger.release(model.key)
+        log.info("model %s unloaded (%s)", model.key, reason)
         self._changed()
         return True
 
     async def sweep_idle(self) -> list[str]:
-        """Unload models idle past their TTL (L7); returns their names."""
+        """Unregister agents idle past ``agent_idle_ttl_s`` (L11), then unload models idle past their TTL (L7);
+        returns the names of the models unloaded."""
+        await self.expire_agents()
         names = policy.expired([m.view() for m in self.models.values()], self.clock())
-        idle = [name for name in names
-                if await self.unload(self.models[name], lambda v: bool(policy.expired([v], self.clock())))]
+        idle: list[str] = []
+        for name in names:
+            model = self.models[name]
+            if await self.unload(model, self._still_expired, reason="idle TTL"):
+                idle.append(name)
         return idle
+
+    def _still_expired(self, view: policy.ModelView) -> bool:
+        """The TTL decision again, under the model's lock (it may have been used meanwhile); logged."""
+        now = self.clock()
+        if not policy.expired([view], now):
+            return False
+        log.info("model %s expired: idle for %.1f s, TTL %g s", view.key, now - view.last_used, view.idle_ttl_s)
+        return True
+
+    async def expire_agents(self) -> list[str]:
+        """Unregister the agents that have not registered or decoded for ``agent_idle_ttl_s`` (L11; 0 = never),
+        whoever owns them (a MAGN connection's next request on one gets ``UNKNOWN_AGENT``); returns their ids."""
+        ttl = self.config.agent_idle_ttl_s
+        expired: list[str] = []
+        for agent_id in policy.idle_agents([a.view() for a in self.agents.values()], self.clock(), ttl):
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                continue
+            async with agent.lock:
+                view = policy.AgentView(agent.id, agent.last_used, busy=False)  # the lock is ours now
+                still = policy.idle_agents([view], self.clock(), self.config.agent_idle_ttl_s)
+                if self.agents.get(agent_id) is not agent or not still:
+                    continue
+                idle_s = self.clock() - agent.last_used
+                await self._remove(agent, f"expired: idle for {idle_s:.1f} s, agent_idle_ttl_s {ttl:g} s")
+            self.counters["agents_expired"] += 1
+            expired.append(agent_id)
+        return expired
 
     # -- agents ----------------------------------------------------------------------------------
     async def register(self, agent_id: str, ref: str, owner: object | None = None) -> Agent:
@@ -263,22 +363,29 @@ class Daemon:
             except BaseException:
                 model.refcount -= 1
                 raise
-            agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner)
+            agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner, last_used=self.clock())
+            log.info("agent %s registered on model %s%s", agent_id, model.key,
+                     "" if owner is None else " (owned by its connection)")
             return agent
         finally:
             self._claimed.discard(agent_id)
 
-    async def unregister(self, agent_id: str) -> None:
+    async def unregister(self, agent_id: str, reason: str = "UNREGISTER") -> None:
         agent = self.agent(agent_id)
         async with agent.lock:
             if self.agents.get(agent_id) is not agent:
                 raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
-            del self.agents[agent_id]
-            model = agent.model
-            model.refcount -= 1
-            if model.runtime is not None:
-                await self.engine.call(model.runtime.detach, agent.conversation)
-            await self.unload(model, policy.unload_on_release)
+            await self._remove(agent, reason)
+
+    async def _remove(self, agent: Agent, reason: str) -> None:
+        """Unregister ``agent``, whose lock the caller holds; a model's last agent unloads it (L4)."""
+        del self.agents[agent.id]
+        model = agent.model
+        model.refcount -= 1
+        log.info("agent %s unregistered (%s)", agent.id, reason)
+        if model.runtime is not None:
+            await self.engine.call(model.runtime.detach, agent.conversation)
+        await self.unload(model, policy.unload_on_release, reason="last agent left")
 
     def agent(self, agent_id: str) -> Agent:
         agent = self.agents.get(agent_id)
@@ -290,7 +397,7 @@ class Daemon:
         """Unregister every agent a closed connection owned (R3)."""
         for agent in [a for a in self.agents.values() if a.owner is owner]:
             with contextlib.suppress(ApplianceError):
-                await self.unregister(agent.id)
+                await self.unregister(agent.id, reason="its connection closed")
 
     # -- decoding --------------------------------------------------------------------------------
     async def decode(self, agent_id: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
@@ -300,13 +407,18 @@ class Daemon:
         async with agent.lock:
             if self.agents.get(agent_id) is not agent:
                 raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
-            return await self._run(agent.model, agent.conversation, agent_id, n_tokens, prompt, sampling,
-                                   on_token, cancel)
+            agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
+            try:
+                return await self._run(agent.model, agent.conversation, agent_id, n_tokens, prompt, sampling,
+                                       on_token, cancel, queue=("agent", agent_id))
+            finally:
+                agent.last_used = self.clock()
 
     async def complete(self, ref: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
                        on_token: Callable[[Token], None] | None = None,
-                       cancel: threading.Event | None = None) -> DecodeResult:
-        """A stateless request (HTTP, MAGN without a session): a fresh conversation every time."""
+                       cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
+        """A stateless request (HTTP, MAGN without a session): a fresh conversation every time. ``queue`` is the
+        engine queue it waits in (its connection; default: one queue for the model's stateless requests)."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
         model = self.resolve(ref)
@@ -314,14 +426,17 @@ class Daemon:
         try:
             await self.acquire(model)
             return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
-                                   ephemeral=True)
+                                   ephemeral=True, queue=("stateless", model.key) if queue is None else queue)
         finally:
             model.inflight -= 1
             model.last_used = self.clock()
 
     async def _run(self, model: Model, conv: Conversation, agent_id: str | None, n_tokens: int,
                    prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
-                   cancel: threading.Event | None, ephemeral: bool = False) -> DecodeResult:
+                   cancel: threading.Event | None, ephemeral: bool = False,
+                   queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
+        """Generate on the engine thread; ``queue`` is the engine queue the job waits in (the engine serves its
+        queues round-robin: an agent's decodes, a connection's stateless requests)."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
         runtime = model.runtime
@@ -329,20 +444,34 @@ class Daemon:
             raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
         cancel = cancel or threading.Event()
         owner = {id(a.conversation): a.id for a in self.agents.values()}
+        dropped: list[str] = []
 
         def work() -> DecodeResult:
+            # The agents as they are now, not at submit time: the engine may have served other queues first.
+            # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
+            agents = list(self.agents.copy().values())
+            parking = runtime.live
+            if parking is not None and parking is not conv:  # make room for the state this swap parks
+                reserve = hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
+                                                 buffer_bytes(parking))
+                dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
+            rebuilt = conv.where == "empty" and bool(conv.tokens) and runtime.live is not conv
             swap = runtime.attach(conv)
+            if swap.evicted is not None:
+                ratio = hostkv.per_token(swap.evicted.nbytes, swap.evicted.n_evaluated)
+                model.kv_bytes_per_token = max(model.kv_bytes_per_token, ratio)
+            dropped.extend(self._fit_host_kv(agents))
             try:
                 generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set)
             finally:
                 if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
                     runtime.detach(conv)
             evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
-            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored)
+            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored, rebuilt, tuple(dropped))
 
         model.inflight += 1
         self._running.add(cancel)
-        job = self.engine.submit(work)
+        job = self.engine.submit(work, queue=queue)
         try:
             result = await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -354,13 +483,54 @@ class Daemon:
             self._running.discard(cancel)
             model.inflight -= 1
             model.last_used = self.clock()
+            self.counters["host_kv_drops"] += len(dropped)
         self.counters["decodes"] += 1
+        self.counters["host_kv_rebuilds"] += result.rebuilt
         self.counters["tokens"] += result.generation.generated_tokens
         self.counters["kv_swaps"] += result.evicted is not None
         self.counters["kv_restores"] += result.restored
         if model.measured is None:
             model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
         return result
+
+    @property
+    def host_kv_budget(self) -> int:
+        """Bytes of host RAM that parked KV state may hold (``host_kv_budget``; ``auto`` = a share of RAM)."""
+        configured = self.config.host_kv_budget
+        return hostkv.auto_budget(self.physical_memory) if configured is None else configured
+
+    def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
+                     attaching: Conversation | None = None) -> list[str]:
+        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`);
+        returns the agents whose parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the
+        ``parking`` conversation (its own buffer counts in them), and the ``attaching`` one goes last. Runs on the
+        engine thread, the only one that moves KV state, so no swap races a drop."""
+        budget = self.host_kv_budget
+        held = [state for state in (agent.held() for agent in agents if agent.conversation is not parking)
+                if state is not None]
+        by_id = {agent.id: agent for agent in agents}
+        last = frozenset(agent.id for agent in agents if agent.conversation is attaching)
+        dropped: list[str] = []
+        for key in hostkv.to_drop(held, max(0, budget - reserve), last):
+            conv = by_id[key].conversation
+            nbytes = buffer_bytes(conv)
+            if conv.where != "host":
+                conv.buffer = None  # a live conversation's reuse buffer: nothing is lost
+                continue
+            forget_parked(conv)
+            dropped.append(key)
+            log.info("host KV: dropped agent %s's parked state (%d bytes; budget %d bytes, %d held before): "
+                     "its next decode re-evaluates its %d tokens", key, nbytes, budget, hostkv.held_bytes(held),
+                     len(conv.tokens))
+        return dropped
+
+    def host_kv(self) -> dict[str, int]:
+        """Host RAM held for KV state, next to the device ledger (STATUS, health)."""
+        convs = [agent.conversation for agent in self.agents.values()]
+        return {"budget_bytes": self.host_kv_budget,
+                "parked_bytes": sum(buffer_bytes(conv) for conv in convs),
+                "parked_agents": sum(conv.where == "host" for conv in convs),
+                "drops": self.counters["host_kv_drops"], "rebuilds": self.counters["host_kv_rebuilds"]}
 
     # -- device ----------------------------------------------------------------------------------
     def resync(self) -> DeviceReading:
@@ -378,7 +548,9 @@ class Daemon:
         for cancel in list(self._running):
             cancel.set()
         for model in list(self.models.values()):
-            await self.unload(model)
+            await self.unload(model, reason="shutdown")
+        if self.agents:
+            log.info("%d agents dropped at shutdown", len(self.agents))
         self.agents.clear()
         self.engine.close()
         self.device.close()
@@ -397,5 +569,6 @@ class Daemon:
                            "external_bytes": self.external},
                 "ledger": {"cap_bytes": ledger.cap, "allocated_bytes": ledger.allocated,
                            "admission_percent": self.config.admission_percent},
+                "host_kv": self.host_kv(),
                 "models": models, "agents": agents, "counters": dict(self.counters),
                 "extra": {name: report() for name, report in self.reports.items()}}

@@ -10,6 +10,7 @@ Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least on
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -22,6 +23,8 @@ import pynvml
 from appliance.config.schema import parse_size
 from appliance.daemon.ledger import MAX_BYTES
 from appliance.errors import ApplianceError
+
+log = logging.getLogger(__name__)
 
 DeviceKind = Literal["nvml", "host", "fake"]
 
@@ -114,9 +117,10 @@ class NvmlDevice:
         try:
             mem = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
             process_used = self._process_used()
-        except pynvml.NVMLError as exc:
-            raise ApplianceError("INTERNAL", f"cannot read memory device {self.spec}: NVML: {exc}",
-                                 {"device": self.spec, "nvml_error": str(exc)}) from exc
+        except pynvml.NVMLError as exc:  # the operator's log has NVML's reason; a client gets none of it
+            log.error("cannot read memory device %s: NVML: %s", self.spec, exc)
+            raise ApplianceError("INTERNAL", f"cannot read memory device {self.spec}",
+                                 {"device": self.spec}) from exc
         return DeviceReading(self.name, "nvml", int(mem.total), int(mem.used), int(mem.free), process_used)
 
     def close(self) -> None:
@@ -146,17 +150,23 @@ class HostDevice:
         self.name = "host"
         self._meminfo = meminfo
         self._status = status
-        self.read()  # fail at open, not at first use
+        try:  # fail at open (the operator sees why), not at first use
+            self._reading()
+        except (OSError, ValueError, IndexError) as exc:
+            raise ApplianceError("INTERNAL", f"cannot read memory device host: {exc}", {"device": "host"}) from exc
+
+    def _reading(self) -> DeviceReading:
+        total = _kib_field(self._meminfo, "MemTotal")
+        available = min(total, _kib_field(self._meminfo, "MemAvailable"))
+        rss = _kib_field(self._status, "VmRSS")
+        return DeviceReading(self.name, "host", total, total - available, available, rss)
 
     def read(self) -> DeviceReading:
         try:
-            total = _kib_field(self._meminfo, "MemTotal")
-            available = min(total, _kib_field(self._meminfo, "MemAvailable"))
-            rss = _kib_field(self._status, "VmRSS")
-        except (OSError, ValueError, IndexError) as exc:
-            raise ApplianceError("INTERNAL", f"cannot read memory device host: {exc}",
-                                 {"device": "host"}) from exc
-        return DeviceReading(self.name, "host", total, total - available, available, rss)
+            return self._reading()
+        except (OSError, ValueError, IndexError) as exc:  # the log has the reason; a client gets none of it
+            log.error("cannot read memory device host: %s", exc)
+            raise ApplianceError("INTERNAL", "cannot read memory device host", {"device": "host"}) from exc
 
     def close(self) -> None:
         pass

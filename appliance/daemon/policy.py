@@ -25,6 +25,33 @@ def expired(models: Iterable[ModelView], now: float) -> list[str]:
             and m.idle_ttl_s > 0 and now - m.last_used >= m.idle_ttl_s]
 
 
+@dataclass(frozen=True)
+class AgentView:
+    """What the agent idle TTL needs to know about one agent."""
+
+    id: str
+    last_used: float  # when it last registered or decoded
+    busy: bool  # a command on it runs or waits now
+
+
+def idle_agents(agents: Iterable[AgentView], now: float, ttl_s: float) -> list[str]:
+    """Agents to unregister (L11): idle, nothing running on them, for ``ttl_s`` (0 = never)."""
+    if ttl_s <= 0:
+        return []
+    return [a.id for a in agents if not a.busy and now - a.last_used >= ttl_s]
+
+
+SWEEP_MIN_PERIOD_S = 0.05
+SWEEP_MAX_PERIOD_S = 5.0
+
+
+def sweep_period(ttls_s: Iterable[float]) -> float:
+    """Seconds between idle sweeps: a quarter of the shortest TTL that is on (model ``idle_ttl_s`` and
+    ``agent_idle_ttl_s`` alike; 0 = off), within [0.05, 5] s."""
+    quarters = [ttl / 4 for ttl in ttls_s if ttl > 0]
+    return max(SWEEP_MIN_PERIOD_S, min(quarters + [SWEEP_MAX_PERIOD_S]))
+
+
 def unload_on_release(model: ModelView) -> bool:
     """L4: the last UNREGISTER frees the model at once, unless an anonymous request is still running."""
     return model.loaded and model.refcount == 0 and model.inflight == 0

@@ -18,11 +18,11 @@ conversation continued after a KV swap produces exactly what an uninterrupted on
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import threading
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,13 @@ from appliance.engine.interface import (
     SwapReport,
     Token,
 )
+from appliance.engine.streamtext import StreamText
+from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
 BOS = 1
 EOS = 2
+LONGEST_PIECE = 4  # bytes: a fake token is one character
 
 _POLL_S = 0.005  # how often a thread held at a gate looks at its ``cancelled`` callback
 
@@ -220,52 +223,75 @@ class FakeRuntime(LiveSlot):
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        """Like the real runtime; before each token it passes the engine's :class:`Gate` (or stops, cancelled)."""
+        """Like the real runtime (the same rules: the prompt's byte bound with a longest piece of
+        :data:`LONGEST_PIECE` bytes, ``n_tokens`` clamped to the context with ``"length"``, stream text equal to the
+        final text, a cancelled or failed request rolled back); before each token it passes the engine's
+        :class:`Gate` (or stops, cancelled)."""
         self._check()
         if self.live is not conv:
             raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
+        size = len(prompt.encode("utf-8", errors="surrogatepass"))
+        limit = max(0, self.n_ctx - len(conv.tokens) - 1) * LONGEST_PIECE
+        if size > limit:
+            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt is too long for the room left in the model's context",
+                                 {"n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_bytes": size,
+                                  "max_prompt_bytes": limit})
         new = tokenize(prompt, bos=not conv.tokens)
         if not conv.tokens and not new:
             raise ApplianceError("BAD_REQUEST", "empty prompt and no conversation to continue")
-        if len(conv.tokens) + len(new) + n_tokens > self.n_ctx:
-            raise ApplianceError("CONTEXT_OVERFLOW", "conversation would exceed the model's context", {
+        room = self.n_ctx - len(conv.tokens) - len(new)
+        if room < 1:
+            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt leaves no room in the model's context", {
                 "n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_tokens": len(new),
                 "requested_tokens": n_tokens})
+        n_tokens = min(n_tokens, room)
         if self.kv != conv.tokens[: len(self.kv)] or len(self.kv) != conv.n_evaluated:
             raise ApplianceError("INTERNAL", "fake KV cache does not match the conversation")
         start = time.perf_counter()
+        before = len(conv.tokens)
         conv.tokens.extend(new)
+        stream = StreamText(sampling.stop)
         out: list[int] = []
-        pieces: list[str] = []
         reason: StopReason = "length"
         ttft: float | None = None
         gate = self.engine.gate
-        while len(out) < n_tokens:
-            if (cancelled is not None and cancelled()) or not gate.wait(cancelled):
-                reason = "cancelled"
-                break
-            self.kv.extend(conv.tokens[len(self.kv):])  # "evaluate" what is pending
-            conv.n_evaluated = len(self.kv)
-            tok = EOS if self.engine.eos_when(conv.tokens) else next_token(self.kv)
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            conv.tokens.append(tok)
-            out.append(tok)
-            self.engine.tokens_generated += 1
-            if tok == EOS:
-                reason = "eos"
-                break
-            text = piece(tok)
-            pieces.append(text)
-            if on_token is not None:
-                on_token(Token(tok, text, len(out) - 1, time.time()))
-            if sampling.stop and any(s in "".join(pieces[-8:]) for s in sampling.stop):
-                reason = "stop"
-                break
-        text = "".join(pieces)
-        if reason == "stop":
-            text = text[:min(i for i in (text.find(s) for s in sampling.stop) if i >= 0)]
-        return Generation(text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
+        try:
+            while len(out) < n_tokens:
+                if (cancelled is not None and cancelled()) or not gate.wait(cancelled):
+                    reason = "cancelled"
+                    break
+                self.kv.extend(conv.tokens[len(self.kv):])  # "evaluate" what is pending
+                conv.n_evaluated = len(self.kv)
+                tok = EOS if self.engine.eos_when(conv.tokens) else next_token(self.kv)
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                conv.tokens.append(tok)
+                out.append(tok)
+                self.engine.tokens_generated += 1
+                if tok == EOS:
+                    reason = "eos"
+                    held = stream.flush()
+                    if held and on_token is not None:
+                        on_token(Token(tok, held, len(out) - 1, time.time()))
+                    break
+                text = stream.push(piece(tok).encode("utf-8"), last=len(out) == n_tokens)
+                if on_token is not None:
+                    on_token(Token(tok, text, len(out) - 1, time.time()))
+                if stream.stopped:
+                    reason = "stop"
+                    break
+        except BaseException:
+            self._rollback(conv, before)
+            raise
+        if reason == "cancelled":
+            self._rollback(conv, before)
+        return Generation(stream.text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
+
+    def _rollback(self, conv: Conversation, length: int) -> None:
+        """Return ``conv`` and the fake KV cache to the conversation's first ``length`` tokens."""
+        del conv.tokens[length:]
+        del self.kv[length:]
+        conv.n_evaluated = len(self.kv)
 
 
 class FakeEngine:
@@ -278,8 +304,8 @@ class FakeEngine:
       ``close_gate`` before every runtime close, so a test can hold the daemon in ``loading`` or ``unloading``.
     * :meth:`fail_load`: loads of a model file fail with ``MODEL_LOAD_FAILED`` (or a given error).
     * ``eos_when``: a predicate on the conversation's tokens; when it is true the next token is ``EOS``.
-    * Records: ``loads`` (every load attempt's path, in order), ``runtimes`` (those that succeeded),
-      ``tokens_generated``, ``closed``.
+    * Records: ``loads`` (every load attempt's path, in order), ``checks`` (every :meth:`check`'s path),
+      ``runtimes`` (those that succeeded), ``tokens_generated``, ``closed``.
     """
 
     def __init__(self, n_threads: int = 1, *, gate: Gate | None = None) -> None:
@@ -288,17 +314,14 @@ class FakeEngine:
         self.load_gate = Gate()
         self.close_gate = Gate()
         self.loads: list[Path] = []
+        self.checks: list[Path] = []
         self.runtimes: list[FakeRuntime] = []
         self.tokens_generated = 0
         self.closed = False
         self.eos_when: Callable[[list[int]], bool] = lambda tokens: False
         self._failures: dict[str, BaseException | None] = {}
-        self.worker_thread: threading.Thread | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-engine",
-                                                           initializer=self._started)
-
-    def _started(self) -> None:
-        self.worker_thread = threading.current_thread()
+        self._worker = FairWorker("fake-engine")
+        self.worker_thread: threading.Thread | None = self._worker.thread
 
     def fail_load(self, name: str, error: BaseException | None = None) -> None:
         """Make loads of ``name`` (a model file's path, file name or stem) fail: with ``error``, else with the
@@ -317,13 +340,17 @@ class FakeEngine:
         return [rt for rt in self.runtimes if not rt.closed]
 
     # -- EngineProtocol ----------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> asyncio.Future[Any]:
         if self.closed:
             raise RuntimeError("the fake engine is closed")
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return asyncio.wrap_future(self._worker.submit(fn, queue=queue))
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await self.submit(lambda: fn(*args, **kwargs))
+    async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
+        return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
+
+    def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
+        """No child process here: a model-free daemon has nothing to trial-load. Recorded in ``checks``."""
+        self.checks.append(path)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> FakeRuntime:
         self.loads.append(path)
@@ -341,7 +368,7 @@ class FakeEngine:
         self.closed = True
         for gate in (self.gate, self.load_gate, self.close_gate):
             gate.open()  # nothing may stay held once the engine is going away
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._worker.close()
 
 
 class GatedRuntime:
@@ -401,11 +428,15 @@ class GatedEngine:
     def n_threads(self) -> int:
         return self.inner.n_threads
 
-    def submit(self, fn: Callable[[], Any]) -> Awaitable[Any]:
-        return self.inner.submit(fn)
+    def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> Awaitable[Any]:
+        return self.inner.submit(fn, queue=queue)
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        return self.inner.call(fn, *args, **kwargs)
+    def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE,
+             **kwargs: Any) -> Awaitable[Any]:
+        return self.inner.call(fn, *args, queue=queue, **kwargs)
+
+    def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
+        self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> GatedRuntime:
         return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers), self)

@@ -12,7 +12,7 @@ from inside such a job (the daemon wraps ``attach``/``generate``/``detach``/``cl
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -169,13 +169,21 @@ class EngineProtocol(Protocol):
         """CPU threads the models it loads use (fixed at construction: a change needs a new engine)."""
         ...
 
-    def submit(self, fn: Callable[[], Any]) -> Awaitable[Any]:
+    def submit(self, fn: Callable[[], Any], *, queue: Hashable = ...) -> Awaitable[Any]:
         """Queue ``fn`` on the worker thread (call from the event loop); awaiting the result gives its value.
-        Cancelling the awaitable does not stop a job that already runs."""
+        Jobs wait in one FIFO queue per ``queue`` key (a connection, an agent; a default key for the rest) and the
+        keys take turns, one job each (:class:`~appliance.engine.worker.FairWorker`). Cancelling the awaitable
+        before its job starts skips the job; it does not stop a job that already runs."""
         ...
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        """``submit`` of ``fn(*args, **kwargs)``."""
+    def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = ..., **kwargs: Any) -> Awaitable[Any]:
+        """``submit`` of ``fn(*args, **kwargs)`` on ``queue``."""
+        ...
+
+    def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
+        """Make sure :meth:`load` of ``path`` cannot take the process down: the real engine trial-loads it in a
+        child process (:mod:`appliance.engine.modelcheck`). Blocking: call it off the event loop and off the
+        worker thread. Raises ``MODEL_LOAD_FAILED`` with the reason."""
         ...
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> RuntimeProtocol:

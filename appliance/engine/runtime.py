@@ -9,17 +9,18 @@ KV state parked in host RAM through llama.cpp's per-sequence state API into reus
 from __future__ import annotations
 
 import asyncio
-import codecs
-import concurrent.futures
 import ctypes
+import functools
+import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
+from appliance.engine import modelcheck
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
     Conversation,
@@ -31,10 +32,14 @@ from appliance.engine.interface import (  # re-exported: importers of these from
     Token,
     Where,
 )
+from appliance.engine.streamtext import StreamText
+from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
 __all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "SwapReport",
            "Token", "Where"]
+
+log = logging.getLogger(__name__)
 
 
 class Runtime(LiveSlot):
@@ -53,6 +58,19 @@ class Runtime(LiveSlot):
         self.eos = self.llm.token_eos()
         self.live: Conversation | None = None
         self._pieces: dict[int, bytes] = {}
+        self.longest_piece = self._longest_piece()
+
+    def _longest_piece(self) -> int:
+        """The most bytes one token of the vocabulary stands for: a prompt of B bytes is at least
+        B / longest_piece tokens, so its size alone can show that it cannot fit (see :meth:`generate`)."""
+        vocab = self.llm._model.vocab
+        size = 256
+        buf = ctypes.create_string_buffer(size)
+        longest = 1
+        for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+            n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
+            longest = max(longest, abs(n))  # a negative n is the size a piece too long for buf needs
+        return longest
 
     def close(self) -> None:
         self.live = None
@@ -115,18 +133,37 @@ class Runtime(LiveSlot):
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        """Continue ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens. ``conv`` must be attached."""
+        """Continue ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens. ``conv`` must be attached.
+
+        * Context: ``n_tokens`` is clamped to the room the prompt leaves in the context (the generation then ends
+          there with ``"length"``); only a prompt that leaves no room for one new token is ``CONTEXT_OVERFLOW``.
+          A prompt longer in UTF-8 bytes than (room left) x (the vocabulary's longest token piece) cannot fit
+          and is refused so, without being tokenized (``details["max_prompt_bytes"]``).
+        * Text: the ``text`` of the tokens given to ``on_token``, joined, is always ``Generation.text``
+          (:class:`~appliance.engine.streamtext.StreamText`). A UTF-8 sequence still incomplete at the end is
+          dropped from both (a continuation without a prompt completes it: its bytes prime the next decoder);
+          text that could begin a stop string is held back until it cannot, and a stop string and what follows
+          it is in neither. Text held back when the model ends it is streamed with the end-of-generation token.
+        * Cancelled (and failed): the conversation returns to what it was before the call (its tokens, the live
+          KV cells, ``n_evaluated``), as if the request had never been sent: its client got CANCELLED or an
+          error, not the text. The returned generation still counts the tokens made.
+        """
         if self.live is not conv:
             raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
-        new = self.tokenize(prompt, bos=not conv.tokens)
+        data = self._prompt_bytes(conv, prompt)
+        new = self.llm.tokenize(data, add_bos=not conv.tokens, special=False) if data else []
         if not conv.tokens and not new:
             raise ApplianceError("BAD_REQUEST", "empty prompt and no conversation to continue")
-        if len(conv.tokens) + len(new) + n_tokens > self.n_ctx:
-            raise ApplianceError("CONTEXT_OVERFLOW", "conversation would exceed the model's context", {
+        room = self.n_ctx - len(conv.tokens) - len(new)
+        if room < 1:
+            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt leaves no room in the model's context", {
                 "n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_tokens": len(new),
                 "requested_tokens": n_tokens})
+        n_tokens = min(n_tokens, room)
         llm = self.llm
         start = time.perf_counter()
+        before = len(conv.tokens)
+        stream = StreamText(sampling.stop, b"" if new else b"".join(self.piece(t) for t in conv.tokens[-4:]))
         conv.tokens.extend(new)
         if llm.n_tokens >= len(conv.tokens):  # nothing pending: re-evaluate the last token for fresh logits
             llm._ctx.kv_cache_seq_rm(0, len(conv.tokens) - 1, -1)
@@ -134,8 +171,6 @@ class Runtime(LiveSlot):
         sampler = llm._init_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                     min_p=0.0)
         llm.set_seed(sampling.seed)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pieces: list[str] = []
         out: list[int] = []
         reason: StopReason = "length"
         ttft: float | None = None
@@ -144,7 +179,7 @@ class Runtime(LiveSlot):
                 if cancelled is not None and cancelled():
                     reason = "cancelled"
                     break
-                llm.eval(conv.tokens[llm.n_tokens:])
+                self._eval(conv.tokens[llm.n_tokens:])
                 conv.n_evaluated = llm.n_tokens
                 tok = sampler.sample(llm._ctx, -1)
                 if ttft is None:
@@ -153,23 +188,58 @@ class Runtime(LiveSlot):
                 out.append(tok)
                 if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
                     reason = "eos"
+                    held = stream.flush()
+                    if held and on_token is not None:
+                        on_token(Token(tok, held, len(out) - 1, time.time()))
                     break
-                text = decoder.decode(self.piece(tok))
-                pieces.append(text)
+                text = stream.push(self.piece(tok), last=len(out) == n_tokens)
                 if on_token is not None:
                     on_token(Token(tok, text, len(out) - 1, time.time()))
-                if sampling.stop and any(s in "".join(pieces[-8:]) for s in sampling.stop):
+                if stream.stopped:
                     reason = "stop"
                     break
-        except RuntimeError as exc:
-            raise ApplianceError("INTERNAL", f"llama.cpp decode failed: {exc}") from exc
+        except BaseException:
+            self._rollback(conv, before)
+            raise
         finally:
             conv.n_evaluated = llm.n_tokens
-        text = "".join(pieces) + decoder.decode(b"", final=True)
-        if reason == "stop":
-            cut = min(i for i in (text.find(s) for s in sampling.stop) if i >= 0)
-            text = text[:cut]
-        return Generation(text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
+        if reason == "cancelled":
+            self._rollback(conv, before)
+        return Generation(stream.text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
+
+    def _prompt_bytes(self, conv: Conversation, prompt: str) -> bytes:
+        """``prompt`` in UTF-8, refused before tokenizing when its size alone shows it cannot fit: every token
+        stands for at most ``longest_piece`` bytes, and the prompt must leave room for one new token."""
+        try:
+            data = prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApplianceError("BAD_REQUEST", "the prompt is not valid Unicode (it has a lone surrogate)",
+                                 {"field": "prompt"}) from None
+        limit = max(0, self.n_ctx - len(conv.tokens) - 1) * self.longest_piece
+        if len(data) > limit:
+            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt is too long for the room left in the model's context",
+                                 {"n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_bytes": len(data),
+                                  "max_prompt_bytes": limit})
+        return data
+
+    def _eval(self, tokens: list[int]) -> None:
+        """Evaluate ``tokens``; llama.cpp's failure is logged with its text and reaches the client as a plain
+        INTERNAL."""
+        try:
+            self.llm.eval(tokens)
+        except RuntimeError as exc:
+            log.error("llama.cpp decode failed on %s", self.path.name, exc_info=exc)
+            raise ApplianceError("INTERNAL", "llama.cpp could not decode the request") from None
+
+    def _rollback(self, conv: Conversation, length: int) -> None:
+        """Return ``conv`` to its first ``length`` tokens: the tokens, the live KV cells past them and
+        ``n_evaluated`` (an unfinished request leaves no trace)."""
+        del conv.tokens[length:]
+        llm = self.llm
+        if llm.n_tokens > length:
+            llm._ctx.kv_cache_seq_rm(0, length, -1)
+            llm.n_tokens = length
+        conv.n_evaluated = llm.n_tokens
 
 
 class Engine:
@@ -180,18 +250,25 @@ class Engine:
 
     def __init__(self, n_threads: int | None = None) -> None:
         self.n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._worker = FairWorker("engine")
 
-    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Queue ``fn`` on the engine thread; the future is the loop's, no task wraps it."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> asyncio.Future[Any]:
+        """Queue ``fn`` on the engine thread behind the other jobs of ``queue`` (keys take turns, see
+        :class:`~appliance.engine.worker.FairWorker`); the future is the loop's, no task wraps it."""
+        return asyncio.wrap_future(self._worker.submit(fn, queue=queue))
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await self.submit(lambda: fn(*args, **kwargs))
+    async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
+        return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
+
+    def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
+        """Trial-load ``path`` in a child process (cached per file); raises ``MODEL_LOAD_FAILED``. Blocking:
+        call it off the event loop and off the engine thread."""
+        modelcheck.check_model(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> Runtime:
         """Load on the calling thread (use through :meth:`call`)."""
         return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        modelcheck.stop_trials()  # a trial child still running would hold up the process's exit
+        self._worker.close()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import socket
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 from appliance.errors import ApplianceError, StartupError
 
@@ -36,7 +41,8 @@ def health_document(appliance: Appliance) -> dict:
     return {"status": status, "models": models,
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
-            "ledger": snapshot.get("ledger"), "socket": str(appliance.config.socket.path),
+            "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
+            "socket": str(appliance.config.socket.path),
             "version": appliance.version}
 
 
@@ -83,12 +89,103 @@ def create_app(appliance: Appliance) -> Starlette:
     return app
 
 
+CLOSE_GRACE_S = 2.0
+"""How long a stopping server waits for HTTP requests in progress."""
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 connection with the appliance's limits (one instance per HTTP connection):
+
+    * ``max_connections`` counts HTTP and socket connections together: one over it gets a P4
+      ``TOO_MANY_CONNECTIONS`` (503) once its request head arrived, and is closed; it is not counted meanwhile;
+    * a request once started (and a connection's first one, from its accept) must arrive whole within
+      ``socket.request_timeout_s`` (uvicorn has no header timeout: a slow-dribbling client would hold its slot);
+    * an idle keep-alive connection closes after ``http.keep_alive_timeout_s`` (uvicorn's timer, set per
+      connection from the current config).
+    """
+
+    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.appliance: Appliance = config.app.state.appliance  # type: ignore[attr-defined]
+        self.timeout_keep_alive = self.appliance.config.http.keep_alive_timeout_s
+        self.refused = False
+        self._request_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limit = self.appliance.config.max_connections
+        socket_server = self.appliance.socket_server
+        total = len(self.connections) + (len(socket_server.connections) if socket_server is not None else 0)
+        if total > limit:
+            self.refused = True
+            self.connections.discard(self)  # a refused connection holds no slot
+        self._arm_request_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_request_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            self._refuse(data)
+            return
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+            if self._request_timer is None:
+                self._arm_request_timer()  # the first bytes of the next request
+        else:
+            self._disarm_request_timer()
+
+    def _refuse(self, data: bytes) -> None:
+        """Read the refused connection's request head, answer 503 TOO_MANY_CONNECTIONS and close."""
+        self.conn.receive_data(data)
+        try:
+            event = self.conn.next_event()
+        except h11.RemoteProtocolError:
+            self.transport.close()
+            return
+        if not isinstance(event, h11.Request):
+            return  # the head is not in yet
+        limit = self.appliance.config.max_connections
+        error = ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {limit} clients",
+                               {"max_connections": limit})
+        body = json.dumps({"error": error.to_dict()}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=error.http_status, headers=headers)))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    def _arm_request_timer(self) -> None:
+        self._disarm_request_timer()
+        timeout = self.appliance.config.socket.request_timeout_s
+        self._request_timer = self.loop.call_later(timeout, self._request_timeout)
+
+    def _disarm_request_timer(self) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+            self._request_timer = None
+
+    def _request_timeout(self) -> None:
+        self._request_timer = None
+        if self.refused or self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+            self.transport.close()  # the request did not arrive whole in time
+
+
 class HttpServer(uvicorn.Server):
     """uvicorn on a socket we bind ourselves (so port 0 works and we know the port); the supervisor owns
-    the signals, so uvicorn must not install its own handlers."""
+    the signals, so uvicorn must not install its own handlers. Its connections are :class:`GuardedH11Protocol`
+    s, counted with the socket's against ``max_connections``."""
 
     def __init__(self, app: Starlette, host: str, port: int) -> None:
-        super().__init__(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        appliance = app.state.appliance
+        super().__init__(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                        http=GuardedH11Protocol,  # it limits connections (reload-aware)
+                                        timeout_keep_alive=int(appliance.config.http.keep_alive_timeout_s),
+                                        timeout_graceful_shutdown=int(CLOSE_GRACE_S)))
+        self.appliance = appliance
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -101,11 +198,18 @@ class HttpServer(uvicorn.Server):
         self.host = host
         self.port = self.socket.getsockname()[1]
 
+    def open_connections(self) -> int:
+        """HTTP connections holding a slot now."""
+        return len(self.server_state.connections)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
     async def run_forever(self) -> None:
+        socket_server = self.appliance.socket_server
+        if socket_server is not None:  # the socket counts our connections against max_connections too
+            socket_server.other_connections.append(self.open_connections)
         await self.serve(sockets=[self.socket])
 
     @property

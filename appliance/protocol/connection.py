@@ -203,6 +203,19 @@ class Connection:
         """Bytes received and not yet part of a returned message."""
         return self._parser.trailing_data
 
+    @property
+    def buffered_bytes(self) -> int:
+        """How many bytes are received and not yet part of a returned message (no copy)."""
+        return self._parser.buffered_bytes
+
+    @property
+    def pending_frame_bytes(self) -> int:
+        """The size, header included, of the frame being received as its header announces it (0 when nothing is
+        buffered; while the header is incomplete, the bytes buffered). Once ``buffered_bytes`` reaches it, the
+        next :meth:`next_event` parses that frame, in time proportional to its size: a server session can run
+        that call off its event loop when it is large (``await asyncio.to_thread(conn.next_event)``)."""
+        return self._parser.pending_frame_bytes
+
     # -- receiving ------------------------------------------------------------------------------------------------
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:

@@ -32,9 +32,20 @@ Fatal (``RemoteProtocolError.fatal``; the framing is lost, close the connection)
 - ``BAD_PAYLOAD`` with ``details["reason"] == "truncated frame"`` when the stream ends inside a frame.
 
 Recoverable (``fatal`` false): ``BAD_PAYLOAD`` for a frame with a valid header whose payload is not base64 of a
-UTF-8 JSON object within :func:`check_json`'s limits (``details["stage"]`` says which step failed). The frame's
-bytes are consumed, the parser is back in ``HEADER`` and the next :meth:`FrameParser.next_event` call goes on
-with the following frame.
+UTF-8 JSON object within the limits below (``details["stage"]`` says which step failed, ``details["reason"]``
+why, and a broken limit is in the details under its name). The frame's bytes are consumed, the parser is back
+in ``HEADER`` and the next :meth:`FrameParser.next_event` call goes on with the following frame.
+
+Payload limits
+--------------
+
+The cost of ``json.loads`` and of checking its result grows with the number of JSON values, not only with the
+frame's size, so before the JSON is parsed its structure is counted at C speed (:func:`count_json_items`):
+at most :data:`MAX_JSON_ITEMS` of the characters ``[``, ``{`` and ``,`` outside strings (``max_json_items``).
+While parsing, an integer may have at most :data:`MAX_JSON_INT_DIGITS` digits (``max_int_digits``: a longer one
+is out of the 64-bit range anyway), and the payload may nest at most :data:`MAX_JSON_DEPTH` deep
+(``max_depth``). NaN and Infinity (not JSON) are refused with the field that holds them (``number is not
+finite``).
 
 Parser states
 -------------
@@ -70,6 +81,11 @@ HEADER = struct.Struct(">IHI")
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 """Deepest nesting of objects/arrays accepted in a payload (the payload object itself is depth 1)."""
+MAX_JSON_ITEMS = 16384
+"""Most ``[``, ``{`` and ``,`` outside strings in one payload: 4,096 chat messages take about 12,300; checking a
+payload at the limit takes some 20 ms of Python."""
+MAX_JSON_INT_DIGITS = 20
+"""Most digits of one JSON integer (2**64 - 1 has 20); ``json.loads`` alone would convert up to 4,300."""
 
 _MAGIC_AND_VERSION_SIZE = 6  # the header's first two fields: enough to check the version
 _MAX_VERSION = 0xFFFF  # uint16
@@ -119,11 +135,11 @@ class RemoteProtocolError(ProtocolError):
         self.fatal = fatal
 
 
-def _bad_json(path: str, reason: str) -> LocalProtocolError:
-    """The ``BAD_PAYLOAD`` error for a value that is not strict JSON; ``path`` "" is the payload itself."""
-    if path:
-        return LocalProtocolError("BAD_PAYLOAD", f"{path}: {reason}", details={"field": path, "reason": reason})
-    return LocalProtocolError("BAD_PAYLOAD", f"payload: {reason}", details={"field": None, "reason": reason})
+def _bad_json(path: str, reason: str, **limit: int) -> LocalProtocolError:
+    """The ``BAD_PAYLOAD`` error for a value that is not strict JSON; ``path`` "" is the payload itself;
+    ``limit`` the limit it broke, by name."""
+    details = {"field": path or None, "reason": reason, **limit}
+    return LocalProtocolError("BAD_PAYLOAD", f"{path or 'payload'}: {reason}", details=details)
 
 
 def check_json(value: Any, path: str = "", depth: int = 1) -> None:
@@ -141,14 +157,14 @@ def check_json(value: Any, path: str = "", depth: int = 1) -> None:
         return
     if isinstance(value, int):
         if not _INT_MIN <= value <= _INT_MAX:
-            raise _bad_json(path, "integer out of the 64-bit range")
+            raise _bad_json(path, "integer out of the 64-bit range", min=_INT_MIN, max=_INT_MAX)
         return
     if isinstance(value, float):
         if not math.isfinite(value):
             raise _bad_json(path, "number is not finite")
         return
     if isinstance(value, dict | list) and depth > MAX_JSON_DEPTH:
-        raise _bad_json(path, f"nested deeper than {MAX_JSON_DEPTH}")
+        raise _bad_json(path, f"nested deeper than {MAX_JSON_DEPTH}", max_depth=MAX_JSON_DEPTH)
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -194,8 +210,11 @@ class Frame:
         check_json(self.payload)
 
     def to_bytes(self, *, max_frame_bytes: int | None = None) -> bytes:
-        """The frame on the wire; ``FRAME_TOO_LARGE`` if the base64 payload exceeds ``max_frame_bytes``."""
+        """The frame on the wire; ``FRAME_TOO_LARGE`` if the base64 payload exceeds ``max_frame_bytes``,
+        ``BAD_PAYLOAD`` if it holds more than :data:`MAX_JSON_ITEMS` values (a peer would refuse it)."""
         text = json.dumps(self.payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        if count_json_items(text) > MAX_JSON_ITEMS:  # a peer would refuse it
+            raise _bad_json("", f"holds more than {MAX_JSON_ITEMS} JSON values", max_json_items=MAX_JSON_ITEMS)
         body = base64.b64encode(text.encode("utf-8"))
         limit = _MAX_LENGTH if max_frame_bytes is None else min(max_frame_bytes, _MAX_LENGTH)
         if len(body) > limit:
@@ -261,6 +280,23 @@ class FrameParser:
         """Bytes received but not yet consumed by a returned frame (after an error: from the bad frame on)."""
         return bytes(self._buffer)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """How many bytes are received and not yet consumed (``len(trailing_data)`` without the copy)."""
+        return len(self._buffer)
+
+    @property
+    def pending_frame_bytes(self) -> int:
+        """The size, header included, of the frame at the front of the buffer as its header announces it (0 when
+        nothing is buffered; the bytes buffered while the header is incomplete). Parsing a complete frame costs
+        time in proportion to it: a caller can run :meth:`next_event` off its event loop when it is large."""
+        if self._length is not None:
+            return HEADER.size + self._length
+        if len(self._buffer) < HEADER.size:
+            return len(self._buffer)
+        (length,) = struct.unpack_from(">I", self._buffer, _MAGIC_AND_VERSION_SIZE)
+        return HEADER.size + length
+
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Buffer ``data``; ``b""`` signals end of stream. In the ERROR state re-raises the fatal error."""
         if self._error is not None:
@@ -295,7 +331,7 @@ class FrameParser:
         end = HEADER.size + self._length
         if len(self._buffer) < end:
             return self._starved()
-        body = bytes(self._buffer[HEADER.size:end])
+        body = self._buffer[HEADER.size:end]  # one copy (a bytearray), then the frame leaves the buffer
         del self._buffer[:end]
         self.last_length = self._length
         self._length = None
@@ -303,7 +339,10 @@ class FrameParser:
         try:
             return Frame(payload, self._version)
         except LocalProtocolError as exc:  # valid JSON outside our strict subset (depth, range, surrogates)
-            raise _remote_bad_payload("json", exc.error.message, field=exc.error.details.get("field")) from None
+            details = dict(exc.error.details)
+            field = details.pop("field", None)
+            details.pop("reason", None)
+            raise _remote_bad_payload("json", exc.error.message, field=field, **details) from None
 
     def _check_magic_and_version(self) -> None:
         """Refuse the buffered start of a header as soon as it cannot be a frame we accept."""
@@ -348,26 +387,87 @@ class FrameParser:
         )
 
 
-def _decode_payload(body: bytes) -> dict[str, Any]:
-    """base64 -> UTF-8 -> JSON object, or a recoverable ``BAD_PAYLOAD`` naming the failing step."""
+def count_json_items(text: str) -> int:
+    """How many ``[``, ``{`` and ``,`` JSON ``text`` holds outside its strings, counted at C speed, as far as
+    :data:`MAX_JSON_ITEMS` needs: within it, those inside strings may be counted too; past it, the count may stop
+    at a number known to be past it. So the answer is past the limit exactly when the structure is.
+
+    For valid JSON this bounds the values ``json.loads`` would build (each container with k values has k - 1
+    commas), and for invalid JSON the values it builds before it fails, so it may be called on any text.
+    """
+    if len(text) <= MAX_JSON_ITEMS:
+        return len(text)
+    count = text.count("[") + text.count("{") + text.count(",")
+    if count <= MAX_JSON_ITEMS:
+        return count  # brackets and commas inside strings counted too: still within the limit
+    plain = text
+    if "\\" in plain:
+        plain = plain.replace("\\\\", "").replace('\\"', "")  # escaped backslashes and quotes end no string
+    strings = plain.count('"') // 2
+    if strings > 2 * MAX_JSON_ITEMS + 1:  # (+ 1: a lone string is JSON too)
+        return (strings + 1) // 2  # a container of k values holds at most 2k strings (keys included), k - 1 commas
+    inside = "".join(plain.split('"')[1::2])
+    return count - inside.count("[") - inside.count("{") - inside.count(",")
+
+
+class _IntegerTooLong(ValueError):
+    """Raised by :func:`_parse_int` inside ``json.loads``."""
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise _IntegerTooLong(digits)
+    return int(digits)
+
+
+_BASE64_CHUNK = 1 << 20
+"""Large payloads are base64-decoded in pieces of this many characters (a multiple of 4): a thread that parses a
+big frame off the event loop then lets the loop run between pieces."""
+
+
+def _b64decode(body: bytes | bytearray) -> bytes:
+    """Strict base64 (``b64decode(validate=True)``), decoded :data:`_BASE64_CHUNK` characters at a time."""
+    if len(body) <= _BASE64_CHUNK:
+        return binascii.a2b_base64(body, strict_mode=True)
+    view = memoryview(body)
+    pieces = []
+    for start in range(0, len(body), _BASE64_CHUNK):
+        piece = view[start:start + _BASE64_CHUNK]
+        if len(piece) == _BASE64_CHUNK and start + _BASE64_CHUNK < len(body) and piece[-1] == ord("="):
+            raise binascii.Error("padding before the end of the payload")
+        pieces.append(binascii.a2b_base64(piece, strict_mode=True))
+    return b"".join(pieces)
+
+
+def _decode_payload(body: bytes | bytearray) -> dict[str, Any]:
+    """base64 -> UTF-8 -> JSON object, or a recoverable ``BAD_PAYLOAD`` naming the failing step (and the limit)."""
     try:
-        raw = base64.b64decode(body, validate=True)
+        raw = _b64decode(body)
     except (binascii.Error, ValueError):
         raise _remote_bad_payload("base64", "payload is not valid base64") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise _remote_bad_payload("utf-8", "payload is not UTF-8") from None
+    if count_json_items(text) > MAX_JSON_ITEMS:
+        raise _remote_bad_payload("json", f"payload holds more than {MAX_JSON_ITEMS} JSON values",
+                                  max_json_items=MAX_JSON_ITEMS)
     try:
-        payload = json.loads(text)  # NaN/Infinity load as floats; Frame() refuses them
-    except (ValueError, RecursionError):
+        payload = json.loads(text, parse_int=_parse_int)  # NaN/Infinity load as floats; Frame() refuses them
+    except _IntegerTooLong:
+        raise _remote_bad_payload("json", f"integer of more than {MAX_JSON_INT_DIGITS} digits",
+                                  max_int_digits=MAX_JSON_INT_DIGITS) from None
+    except RecursionError:
+        raise _remote_bad_payload("json", f"nested deeper than {MAX_JSON_DEPTH}", max_depth=MAX_JSON_DEPTH) from None
+    except ValueError:
         raise _remote_bad_payload("json", "payload is not JSON") from None
     if not isinstance(payload, dict):
         raise _remote_bad_payload("json", "payload is not a JSON object")
     return payload
 
 
-def _remote_bad_payload(stage: str, message: str, field: str | None = None) -> RemoteProtocolError:
-    """The recoverable ``BAD_PAYLOAD`` of a frame whose header was fine; ``stage``: base64, utf-8 or json."""
-    details = {"stage": stage, "field": field, "reason": message}
+def _remote_bad_payload(stage: str, message: str, field: str | None = None, **limit: Any) -> RemoteProtocolError:
+    """The recoverable ``BAD_PAYLOAD`` of a frame whose header was fine; ``stage``: base64, utf-8 or json;
+    ``limit``: the limit it broke, by name."""
+    details = {"stage": stage, "field": field, "reason": message, **limit}
     return RemoteProtocolError("BAD_PAYLOAD", message, details=details, fatal=False)

@@ -1,14 +1,36 @@
-"""The line protocol (SPEC L6, schema ``lmx-daemon/1``): pure parsing and formatting, no sockets.
+r"""The line protocol (SPEC L6, schema ``lmx-daemon/1``): pure parsing and formatting, no sockets.
 
 A request is one line. :class:`LineReader` is the sans-IO reader (h11 style): ``receive_data`` bytes as they
 come, ``next_event`` returns each :class:`Command`, :data:`NEED_DATA` or :data:`CLOSED`, and raises
 :class:`LineProtocolError` for a bad line (not fatal: the next line is read as usual) or a line longer than
-:data:`MAX_LINE_BYTES` (fatal: the framing is lost, answer and close).
+:data:`MAX_LINE_BYTES` (fatal: the framing is lost, answer and close). Counts are ASCII digits only, at most
+:data:`MAX_DECODE_TOKENS`; a bad one is ``BAD_REQUEST`` whose details name the limit.
 
-A reply is either one ``ERR`` line, or ``OK`` header lines followed by a body between ``BEGIN_RESPONSE`` and
-``END_RESPONSE``; so a client reads until it sees ``ERR …`` or ``END_RESPONSE``. ``ERR`` lines carry the P4
-code, then the error's details as ``key=value``; an error without details carries its message as
-``message="…"``.
+Replies
+-------
+
+A reply is either one ``ERR`` line, or ``OK`` header lines followed by a body between a ``BEGIN_RESPONSE`` line
+and an ``END_RESPONSE`` line; so a client reads lines (split on ``\n`` only) until it sees ``ERR …`` or
+``END_RESPONSE``. ``ERR`` lines carry the P4 code, then the error's details as ``key=value``; an error without
+details carries its message as ``message="…"``. Every line ends with ``\n``.
+
+Values (:func:`format_value`) are bare when they hold no space, quote, ``=``, backslash or control character,
+else quoted: ``"…"`` with ``\\``, ``\"``, ``\n``, ``\r`` and ``\xHH`` / ``\uHHHH`` inside. A list is its
+items joined by commas (``known=demo,demo-wide``), a mapping its ``key:value`` pairs joined by commas.
+
+The body is escaped line by line (:func:`escape_body_line`), so that whatever text it carries (a model's
+output included) no body line can be read as a reply line or split into several:
+
+- a backslash is written ``\\`` and a carriage return ``\r``;
+- every other control character (U+0000-U+001F but tab, U+007F-U+009F) is written ``\xHH``, and the line
+  separators U+2028, U+2029 ``\u2028``, ``\u2029``;
+- a line that, after its leading spaces and tabs, begins with ``OK``, ``ERR``, ``BEGIN_RESPONSE`` or
+  ``END_RESPONSE`` gets one backslash in front.
+
+To read it back (:func:`unescape`, the same for quoted values): ``\r``, ``\n``, ``\xHH`` and ``\uHHHH`` are
+those characters, a backslash followed by any other character is that character. The body's text is its lines
+unescaped and joined with ``\n`` (an empty text is one empty line; a reply without a body, like REGISTER's, has
+no line at all). :func:`parse_reply` reads a whole reply back.
 """
 
 from __future__ import annotations
@@ -55,7 +77,8 @@ def _bad(message: str, **details: Any) -> ApplianceError:
 
 def _agent(text: str) -> str:
     if not AGENT_ID.fullmatch(text):
-        raise _bad("agent id must be 1-64 of [A-Za-z0-9_.:-], starting with a letter or digit", agent=text)
+        raise _bad("agent id must be 1-64 of [A-Za-z0-9_.:-], starting with a letter or digit", agent=text[:80],
+                   max_agent_chars=64)
     return text
 
 
@@ -193,22 +216,88 @@ class LineReader:
         return bytes(buffer[start:])
 
 
+MARKERS = ("OK", "ERR", "BEGIN_RESPONSE", "END_RESPONSE")
+"""What a reply line may begin with: a body line that would begin so is escaped."""
+# a backslash; control characters but tab (C0, DEL, C1); the line and paragraph separators
+_CONTROL = re.compile("[\\\\\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_OR_QUOTE = re.compile('[\\\\"\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]')
+_NEEDS_QUOTES = re.compile('[\\s"=\\\\\x00-\x1f\x7f-\x9f]')
+_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|.)", re.DOTALL)
+_NAMED_ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
+_FIELD = re.compile(r'([^\s=]+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED_ESCAPES.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}"
+
+
+def _unescape_char(match: re.Match[str]) -> str:
+    escape = match.group(1)
+    if escape == "r":
+        return "\r"
+    if escape == "n":
+        return "\n"
+    if len(escape) > 1:
+        return chr(int(escape[1:], 16))
+    return escape
+
+
+def escape_body_line(line: str) -> str:
+    r"""One body line as it goes on the wire (see the module docstring); a ``\n`` in it is escaped too."""
+    text = _CONTROL.sub(_escape_char, line)
+    if text.lstrip(" \t").startswith(MARKERS):
+        return "\\" + text
+    return text
+
+
+def unescape(text: str) -> str:
+    """The inverse of :func:`escape_body_line` and of a quoted value's escapes (quotes already removed)."""
+    if "\\" not in text:
+        return text
+    return _ESCAPE.sub(_unescape_char, text)
+
+
 def format_value(value: Any) -> str:
-    """A value as it appears after ``key=``: bare when it has no spaces or quotes, else quoted."""
+    """A value as it appears after ``key=``: bare when it needs no quotes, else quoted (module docstring)."""
     if value is None:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.3f}"
-    text = str(value)
-    if text and not re.search(r'[\s"=]', text):
+    if isinstance(value, Mapping):
+        text = ",".join(f"{key}:{item}" for key, item in value.items())
+    elif isinstance(value, set | frozenset):
+        text = ",".join(sorted(str(item) for item in value))
+    elif isinstance(value, list | tuple):
+        text = ",".join(str(item) for item in value)
+    else:
+        text = str(value)
+    if text and not _NEEDS_QUOTES.search(text):
         return text
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return '"' + _CONTROL_OR_QUOTE.sub(_escape_char, text) + '"'
 
 
 def format_fields(fields: Mapping[str, Any]) -> str:
     return " ".join(f"{key}={format_value(value)}" for key, value in fields.items())
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """The ``key=value`` pairs of a header or ``ERR`` line's tail, values unquoted and unescaped (as text)."""
+    fields: dict[str, str] = {}
+    for match in _FIELD.finditer(text):
+        key, value = match.group(1), match.group(2)
+        if value.startswith('"'):
+            value = unescape(value[1:-1])
+        fields[key] = value
+    return fields
 
 
 def format_error(error: ApplianceError) -> str:
@@ -219,13 +308,88 @@ def format_error(error: ApplianceError) -> str:
 
 def format_reply(invoke: str, headers: Iterable[Mapping[str, Any]] = (), body: Iterable[str] = (),
                  **ids: Any) -> str:
-    """An OK reply: schema line, ``invoke=`` line, header lines, then the body between markers."""
+    r"""An OK reply: schema line, ``invoke=`` line, header lines, then the body between markers; each text of
+    ``body`` is one or more lines (split on ``\n``), each escaped with :func:`escape_body_line`."""
     lines = [f"OK schema={SCHEMA}", "OK " + format_fields({"invoke": invoke, **ids})]
     lines += ["OK " + format_fields(header) for header in headers]
     lines.append("BEGIN_RESPONSE")
-    lines += [line for text in body for line in text.split("\n")]
+    lines += [escape_body_line(line) for text in body for line in text.split("\n")]
     lines.append("END_RESPONSE")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply read back (:func:`parse_reply`): ``error`` for an ``ERR`` line, else the OK ``fields`` of all
+    header lines and the unescaped ``body`` (None when the reply had no body line)."""
+
+    fields: dict[str, str]
+    body: str | None = None
+    error: ApplianceError | None = None
+
+
+def parse_reply(text: str) -> Reply:
+    """Read one whole reply (as :func:`format_reply` or :func:`format_error` wrote it); raise ValueError if it
+    is neither an ``ERR`` line nor ``OK`` lines with a complete body."""
+    lines = text.split("\n")
+    first = lines[0]
+    if first.startswith("ERR "):
+        code, _, tail = first[4:].partition(" ")
+        fields = parse_fields(tail)
+        message = fields.get("message", "") if list(fields) == ["message"] else ""
+        details: dict[str, Any] = {} if list(fields) == ["message"] else dict(fields)
+        return Reply(fields, error=ApplianceError(code, message, details))
+    fields = {}
+    index = 0
+    while index < len(lines) and lines[index].startswith("OK "):
+        fields.update(parse_fields(lines[index][3:]))
+        index += 1
+    if index >= len(lines) or lines[index] != "BEGIN_RESPONSE":
+        raise ValueError("reply has no BEGIN_RESPONSE line after its OK lines")
+    try:
+        end = lines.index("END_RESPONSE", index + 1)
+    except ValueError:
+        raise ValueError("reply has no END_RESPONSE line") from None
+    body_lines = lines[index + 1:end]
+    body = "\n".join(unescape(line) for line in body_lines) if body_lines else None
+    return Reply(fields, body)
+
+
+class ReplyReader:
+    """The client's sans-IO reader: split a stream of replies (pipelined commands are answered in order) into
+    :class:`Reply` objects. ``receive_data`` bytes as they come (``b""``: end of stream); ``next_event`` returns a
+    :class:`Reply`, :data:`NEED_DATA` or :data:`CLOSED`, and raises ValueError for a stream that ends inside a
+    reply or is not replies. A reply ends at its first line if that is ``ERR …``, else at ``END_RESPONSE``."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._lines: list[str] = []
+        self._eof = False
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            self._eof = True
+            return
+        self._buffer += data
+
+    def next_event(self) -> Reply | Literal[Sentinel.NEED_DATA, Sentinel.CLOSED]:
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline < 0:
+                break
+            line = bytes(self._buffer[:newline]).decode("utf-8")
+            del self._buffer[: newline + 1]
+            self._lines.append(line)
+            ends = line == "END_RESPONSE" or (len(self._lines) == 1 and line.startswith("ERR "))
+            if ends:
+                text = "\n".join(self._lines) + "\n"
+                self._lines = []
+                return parse_reply(text)
+        if not self._eof:
+            return NEED_DATA
+        if self._buffer or self._lines:
+            raise ValueError("the stream ended inside a reply")
+        return CLOSED
 
 
 def format_records(kind: str, records: Iterable[Mapping[str, Any]]) -> list[str]:

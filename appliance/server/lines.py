@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any
@@ -16,7 +17,7 @@ from appliance.engine.interface import GREEDY
 from appliance.errors import ApplianceError
 from appliance.protocol import lines
 from appliance.server import outcome
-from appliance.server.peer import peer_gone
+from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 def status_body(snapshot: dict[str, Any]) -> list[str]:
     body = lines.format_records("device", [snapshot["device"]])
     body += lines.format_records("ledger", [snapshot["ledger"]])
+    body += lines.format_records("host_kv", [snapshot["host_kv"]])
     body += lines.format_records("model", snapshot["models"])
     body += lines.format_records("agent", snapshot["agents"])
     body += lines.format_records("counters", [snapshot["counters"]])
@@ -84,20 +86,31 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     ], body=[gen.text], agent_id=command.agent)
 
 
-READ_AHEAD_BYTES = 1 << 20
-"""While a command runs, pipelined bytes are read ahead up to this much; then reading pauses (backpressure)."""
+READ_AHEAD_BYTES = 1 << 16
+"""While a command runs, pipelined bytes are read ahead up to this much; then reading pauses (backpressure). Kept
+small: the next command's parse takes whatever is buffered in one step on the event loop (a MiB of blank lines
+takes the line reader about 0.4 s on the 2-core box; 64 KiB, a few ms)."""
+READ_BYTES = 1 << 16
+"""One read from the socket."""
 
 
 class LineSession:
     """One line-protocol connection. It owns the connection's :class:`~appliance.protocol.lines.LineReader`
-    (bytes to commands), runs one command at a time in order, and watches the socket while a command runs:
-    a client that closes its socket cancels its generation at the next token (R3)."""
+    (bytes to commands) and its :class:`~appliance.server.peer.ReadClock` (request and idle timeouts), runs one
+    command at a time in order, and watches the socket while a command runs: a client that closes its socket
+    cancels its generation at the next token (R3).
+
+    Every buffer is bounded: while a command runs, pipelined bytes are read ahead up to
+    :data:`READ_AHEAD_BYTES`, then reading pauses until the command is answered (the kernel's socket buffer then
+    fills and the client's writes block); a reply the client does not read for ``socket.stall_timeout_s`` ends
+    the connection."""
 
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.daemon = daemon
         self.reader = reader
         self.writer = writer
         self.lines = lines.LineReader()
+        self.clock = ReadClock(functools.partial(socket_settings, daemon))
         self.eof = False
 
     async def serve(self, initial: bytes) -> None:
@@ -108,27 +121,41 @@ class LineSession:
             try:
                 event = self.lines.next_event()
             except lines.LineProtocolError as exc:
+                self.clock.pending(False)
                 self.writer.write(lines.format_error(exc.error).encode())
-                await self.writer.drain()
-                if exc.fatal:
+                if not await self.flush() or exc.fatal:
                     return
                 continue
             if event is lines.CLOSED:
                 return
             if event is lines.NEED_DATA:
-                await self.read()
+                self.clock.pending(self.lines.buffered > 0)
+                if not await self.read():
+                    return
                 continue
+            self.clock.pending(False)
             cancel = threading.Event()
             reply = await self.run(event, cancel)
             if cancel.is_set():
                 return  # the client went away: nobody to answer
             self.writer.write(reply.encode("utf-8"))
-            await self.writer.drain()
+            if not await self.flush():
+                return
 
-    async def read(self) -> None:
-        chunk = await self.reader.read(65536)
+    async def read(self) -> bool:
+        """Read the next bytes; False when the connection timed out (it was told why)."""
+        chunk = await read_within(self.reader, self.clock, READ_BYTES)
+        if chunk is None:
+            self.writer.write(lines.format_error(self.clock.error("request line")).encode())
+            await self.flush()
+            return False
         self.eof = not chunk
         self.lines.receive_data(chunk)
+        return True
+
+    async def flush(self) -> bool:
+        """Wait until the transport took the reply; False (connection aborted) if the client stopped reading."""
+        return await flush_within(self.writer, self.daemon.config.socket.stall_timeout_s)
 
     async def run(self, command: lines.Command, cancel: threading.Event) -> str:
         """The full reply text for one command: its answer, or its error as one ERR line."""
@@ -153,10 +180,11 @@ class LineSession:
                 if self.eof or self.lines.buffered >= READ_AHEAD_BYTES:
                     await asyncio.wait({job})
                     continue
-                reading = asyncio.ensure_future(self.reader.read(65536))
+                reading = asyncio.ensure_future(self.reader.read(READ_BYTES))
                 await asyncio.wait({job, reading}, return_when=asyncio.FIRST_COMPLETED)
                 if reading.done():
                     chunk = reading.result()
+                    self.clock.received()
                     self.eof = not chunk
                     self.lines.receive_data(chunk)
                     if self.eof and peer_gone(self.writer):

@@ -1,9 +1,12 @@
 """The Unix-socket server: one socket, two protocols (SPEC P5, L6, R1, R4).
 
 The first bytes of a connection decide: the MAGN magic (``4d 47 4e 54``) -> binary frames
-(:mod:`appliance.server.magn`), anything else -> the line protocol (:mod:`appliance.server.lines`). At most
-``max_connections`` clients are served; the next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke
-and is closed.
+(:mod:`appliance.server.magn`), anything else -> the line protocol (:mod:`appliance.server.lines`). A connection
+that sends nothing within ``socket.request_timeout_s`` is closed (header timeout). At most ``max_connections``
+clients are served, all surfaces together (the HTTP server registers its count in
+:attr:`SocketServer.other_connections`); the next one gets ``TOO_MANY_CONNECTIONS`` in the protocol it spoke and
+is closed. Closing never waits on a client that does not read: after :data:`CLOSE_GRACE_S` its transport is
+aborted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import grp
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from appliance.daemon.core import Daemon
@@ -28,6 +32,18 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 SNIFF_TIMEOUT_S = 1.0
+READER_LIMIT_BYTES = 1 << 16
+"""A connection's stream reader stops reading from the socket once it holds twice this, unread by the session."""
+CLOSE_GRACE_S = 2.0
+"""How long a closing connection may take to flush and end before its transport is aborted."""
+
+
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    """Close a connection, giving its client :data:`CLOSE_GRACE_S` to take what is buffered, then abort it."""
+    writer.close()
+    with contextlib.suppress(Exception):  # TimeoutError included: the connection goes either way
+        await asyncio.wait_for(writer.wait_closed(), CLOSE_GRACE_S)
+    writer.transport.abort()  # nothing happens if it closed already
 
 
 def _answers(path: Path) -> bool:
@@ -53,6 +69,8 @@ class SocketServer:
         self.group = group
         self._max_connections = max_connections  # a fixed limit overrides the config's (tests)
         self.connections: set[asyncio.Task[None]] = set()
+        self.writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self.other_connections: list[Callable[[], int]] = []  # other surfaces' open connections (HTTP)
         self.accepted = 0
         self.refused = 0
         self.buffer_bytes: dict[str, int] = {}
@@ -64,6 +82,10 @@ class SocketServer:
             return self._max_connections
         return self.daemon.config.max_connections
 
+    def total_connections(self) -> int:
+        """Open connections of every surface: the socket's and the others' (HTTP)."""
+        return len(self.connections) + sum(count() for count in self.other_connections)
+
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
@@ -74,8 +96,8 @@ class SocketServer:
             self.path.unlink()  # a stale socket left by a killed daemon
         old_umask = os.umask(0o777 & ~self.mode)  # the socket is never reachable with looser permissions
         try:
-            self._server = await asyncio.start_unix_server(self._accept, path=str(self.path), limit=1 << 20,
-                                                           backlog=256)
+            self._server = await asyncio.start_unix_server(self._accept, path=str(self.path),
+                                                           limit=READER_LIMIT_BYTES, backlog=256)
         finally:
             os.umask(old_umask)
         os.chmod(self.path, self.mode)
@@ -107,8 +129,9 @@ class SocketServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        over = len(self.connections) >= self.max_connections
+        over = self.total_connections() >= self.max_connections
         self.connections.add(task)
+        self.writers[task] = writer
         try:
             self._tune(writer)
             if over:
@@ -116,7 +139,10 @@ class SocketServer:
                 await self._refuse(reader, writer)
                 return
             self.accepted += 1
-            initial = await self._sniff(reader)
+            try:
+                initial = await asyncio.wait_for(self._sniff(reader), self.daemon.config.socket.request_timeout_s)
+            except TimeoutError:
+                return  # sent nothing (or a partial magic) in time: the header timeout
             if not initial:
                 return
             if initial.startswith(MAGIC):
@@ -131,11 +157,10 @@ class SocketServer:
             log.exception("connection handler failed")
         finally:
             self.connections.discard(task)
+            self.writers.pop(task, None)
             with contextlib.suppress(Exception):
                 await self.daemon.release_owner(writer)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            await close_writer(writer)
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         error = ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {self.max_connections} clients",
@@ -148,11 +173,14 @@ class SocketServer:
             writer.write(error_frame(error, None))
         else:
             writer.write(lines.format_error(error).encode())
-        await writer.drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(writer.drain(), SNIFF_TIMEOUT_S)
 
     def report(self) -> dict[str, object]:
-        """Connection figures for STATUS: the kernel's granted buffer sizes next to the 4 MiB asked."""
+        """Connection figures for STATUS (``connections``: the socket's; ``all_connections``: every surface's, as
+        counted against ``max_connections``): the kernel's granted buffer sizes next to the 4 MiB asked."""
         return {"path": str(self.path), "connections": len(self.connections), "max_connections": self.max_connections,
+                "all_connections": self.total_connections(),
                 "accepted": self.accepted, "refused": self.refused, "buffer_asked_bytes": SOCKET_BUFFER_BYTES,
                 "sndbuf_granted_bytes": self.buffer_bytes.get("sndbuf"),
                 "rcvbuf_granted_bytes": self.buffer_bytes.get("rcvbuf")}
@@ -163,7 +191,11 @@ class SocketServer:
         for task in list(self.connections):
             task.cancel()
         if self.connections:
-            await asyncio.wait(list(self.connections), timeout=5)
+            await asyncio.wait(list(self.connections), timeout=CLOSE_GRACE_S)
+        for writer in list(self.writers.values()):  # still flushing to a client that does not read
+            writer.transport.abort()
+        if self.connections:
+            await asyncio.wait(list(self.connections), timeout=CLOSE_GRACE_S)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)

@@ -4,16 +4,18 @@
   a model, and turns a generation that stopped as cancelled into its error (below).
 * :func:`cancelled_error`: a generation that stopped as ``"cancelled"`` is ``SHUTTING_DOWN`` while the daemon is
   closing (the daemon cancelled it), else ``CANCELLED`` (the client did); ``details["completion_tokens"]`` is the
-  number of tokens generated before it stopped.
-* :func:`error_of`: any exception a request raised as the P4 error to send (unexpected ones are logged and become
-  ``INTERNAL``).
+  number of tokens generated before it stopped. Those tokens are not in the agent's conversation: the runtime
+  rolled it back to what it was before the request (a client that gets CANCELLED did not get a completion, so
+  its next DECODE goes on from where its last completed one ended).
+* :func:`error_of`: any exception a request raised as the P4 error to send (unexpected ones are logged with their
+  traceback and become a plain ``INTERNAL``: not retryable, without the exception's text).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from appliance.daemon.core import Daemon, DecodeResult
 from appliance.engine.interface import Generation, Sampling, Token
@@ -44,13 +46,14 @@ def error_of(exc: Exception) -> ApplianceError:
 async def generate(daemon: Daemon, *, prompt: str, max_tokens: int, sampling: Sampling,
                    session_id: str | None = None, model: str | None = None,
                    on_token: Callable[[Token], None] | None = None,
-                   cancel: threading.Event | None = None) -> DecodeResult:
+                   cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
     """Generate ``max_tokens`` at most after ``prompt``: in the agent session ``session_id`` if given, else
-    stateless on ``model``. Raises :class:`ApplianceError`, including :func:`cancelled_error`'s."""
+    stateless on ``model`` in the engine queue ``queue`` (the caller's connection, so that connections take turns).
+    Raises :class:`ApplianceError`, including :func:`cancelled_error`'s."""
     if session_id is not None:
         result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel)
     elif model is not None:
-        result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel)
+        result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel, queue=queue)
     else:
         raise ApplianceError("BAD_REQUEST", "one of model or session_id is required")
     error = cancelled_error(result.generation, closing=daemon.closing)

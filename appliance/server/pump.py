@@ -9,7 +9,13 @@ things, which :class:`TokenPump` does once:
 * heartbeats: when no token was delivered for the heartbeat interval, ``heartbeat()`` is called on the loop (the
   interval is read at each arming, so a reloaded config applies to running generations);
 * cancellation: when ``sink`` answers False (nobody listens any more: the writer is closing), the pump sets the
-  generation's ``cancel`` event, so that the engine stops at its next token, and drops what comes after.
+  generation's ``cancel`` event, so that the engine stops at its next token, and drops what comes after;
+* backpressure: with a ``backlog`` (bytes the receiver has not read yet), a delivery that leaves more than
+  :data:`~appliance.server.peer.STREAM_HIGH_WATER` unread pauses the generation: the engine thread waits in
+  :meth:`TokenPump.on_token` until the receiver read the backlog down to
+  :data:`~appliance.server.peer.STREAM_LOW_WATER`; a receiver that reads nothing for ``stall_timeout_s`` gets the
+  generation cancelled (:attr:`TokenPump.stalled` tells the surface to answer TIMEOUT). While a stream is paused
+  the engine thread is held, so other generations on the device wait too, for ``stall_timeout_s`` at most.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from appliance.server.peer import STREAM_HIGH_WATER, STREAM_LOW_WATER
+
 if TYPE_CHECKING:
     from appliance.engine.interface import Token
 
 Sink = Callable[[list["Token"]], bool]
 """Delivers a batch of tokens on the loop; returns False when the receiver is gone (the generation is cancelled)."""
+
+FLOW_POLL_S = 0.05
+"""How often a paused stream looks at its receiver's backlog (on the loop) and the engine thread at ``cancel``."""
 
 
 class TokenPump:
@@ -40,7 +51,9 @@ class TokenPump:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sink: Sink, *, cancel: threading.Event,
                  heartbeat: Callable[[], None] | None = None,
-                 heartbeat_interval_s: Callable[[], float] | None = None) -> None:
+                 heartbeat_interval_s: Callable[[], float] | None = None,
+                 backlog: Callable[[], int] | None = None,
+                 stall_timeout_s: Callable[[], float] | None = None) -> None:
         self.loop = loop
         self.sink = sink
         self.cancel = cancel
@@ -53,6 +66,14 @@ class TokenPump:
         self._gone = False  # the sink said nobody listens any more
         self._last = time.monotonic()  # of the last delivery or heartbeat
         self._timer: asyncio.TimerHandle | None = None
+        self.backlog = backlog
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled = False  # cancelled because the receiver read nothing for stall_timeout_s
+        self.pauses = 0  # times the generation was paused for the receiver
+        self._flowing = threading.Event()  # cleared while the generation is paused
+        self._flowing.set()
+        self._paused_at = 0.0
+        self._flow_timer: asyncio.TimerHandle | None = None
 
     def __enter__(self) -> TokenPump:
         self.start()
@@ -68,7 +89,8 @@ class TokenPump:
             self._timer = self.loop.call_later(self.heartbeat_interval_s(), self._beat)
 
     def on_token(self, token: Token) -> None:
-        """On the engine thread: queue ``token`` and make sure a delivery is scheduled on the loop."""
+        """On the engine thread: queue ``token`` and make sure a delivery is scheduled on the loop; while the
+        stream is paused, wait here (the generation's next token waits) until it flows again or is cancelled."""
         if self._finished:
             return
         self._pending.append(token)
@@ -76,6 +98,13 @@ class TokenPump:
             self._scheduled = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can receive it anyway
                 self.loop.call_soon_threadsafe(self._deliver)
+        while not self._flowing.wait(FLOW_POLL_S):
+            if self.cancel.is_set() or self._finished:
+                return
+
+    @property
+    def paused(self) -> bool:
+        return not self._flowing.is_set()
 
     def finish(self) -> None:
         """On the loop: deliver what is queued, stop the heartbeats; later tokens are dropped."""
@@ -84,6 +113,7 @@ class TokenPump:
             self._timer = None
         self._deliver()
         self._finished = True
+        self._resume()
 
     def _deliver(self) -> None:
         """On the loop: every token queued so far, in one call of the sink."""
@@ -101,6 +131,34 @@ class TokenPump:
             return
         self.delivered += len(tokens)
         self._last = time.monotonic()
+        if self.backlog is not None and not self.paused and self.backlog() > STREAM_HIGH_WATER:
+            self._pause()
+
+    def _pause(self) -> None:
+        """On the loop: hold the generation until the receiver reads (or cancel it after the stall timeout)."""
+        self._flowing.clear()
+        self.pauses += 1
+        self._paused_at = time.monotonic()
+        self._flow_timer = self.loop.call_later(FLOW_POLL_S, self._check_flow)
+
+    def _resume(self) -> None:
+        if self._flow_timer is not None:
+            self._flow_timer.cancel()
+            self._flow_timer = None
+        self._flowing.set()
+
+    def _check_flow(self) -> None:
+        """On the loop, while paused: resume once the backlog is read down, cancel once stalled too long."""
+        assert self.backlog is not None
+        self._flow_timer = None
+        if self._finished or self._gone or self.cancel.is_set() or self.backlog() < STREAM_LOW_WATER:
+            self._resume()
+        elif self.stall_timeout_s is not None and time.monotonic() - self._paused_at >= self.stall_timeout_s():
+            self.stalled = True
+            self.cancel.set()  # the engine thread leaves on_token and the generation stops at its next token
+            self._resume()
+        else:
+            self._flow_timer = self.loop.call_later(FLOW_POLL_S, self._check_flow)
 
     def _beat(self) -> None:
         """On the loop: a heartbeat if nothing was delivered for the interval; then re-arm."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Coroutine, Iterator
@@ -22,6 +23,9 @@ from appliance.app import Appliance, EngineFactory
 from appliance.client import lines as lineclient
 from appliance.config.validate import Config, parse_config
 from appliance.engine.fake import GatedEngine
+from appliance.protocol import messages as m
+from appliance.protocol.events import NEED_DATA
+from appliance.protocol.frames import FrameParser, encode_frame
 
 
 def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: list[Path],
@@ -117,3 +121,45 @@ def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: 
             thread.join(30)
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+class RawPeer:
+    """A hand-driven MAGN peer for tests: send payloads, read decoded messages."""
+
+    def __init__(self, path: Path | str, *, timeout: float = 30) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.parser = FrameParser()
+
+    def send(self, payload: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(payload))
+
+    def read(self) -> m.Message:
+        while True:
+            event = self.parser.next_event()
+            if event is not NEED_DATA:
+                return m.parse_message(event.payload)
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            self.parser.receive_data(chunk)
+
+    def read_token(self) -> m.Message:
+        """The next message that is not a HEARTBEAT (a busy machine may be slow to the first token)."""
+        while True:
+            message = self.read()
+            if not isinstance(message, m.Heartbeat):
+                return message
+
+    def read_until_end(self, task_id: str) -> list[m.Message]:
+        """Every message up to and including the TASK_COMPLETE or ERROR that ends ``task_id``."""
+        out = []
+        while True:
+            message = self.read()
+            out.append(message)
+            if isinstance(message, m.TaskComplete | m.ErrorMessage) and getattr(message, "task_id", None) == task_id:
+                return out
+
+    def close(self) -> None:
+        self.sock.close()

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import running
+from harness import RawPeer, running
 
 from appliance.client import MagnClient
 from appliance.engine.runtime import Generation, Token
 from appliance.errors import ApplianceError
 from appliance.protocol import messages as m
-from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, FrameParser, encode_frame
+from appliance.protocol.frames import HEADER, MAGIC, encode_frame
 from appliance.server.outcome import cancelled_error, error_of
 from appliance.server.pump import TokenPump
 
@@ -28,44 +28,6 @@ def model_dir(tmp_path: Path, tiny_model: Path) -> Path:
     folder.mkdir()
     shutil.copy(tiny_model, folder / "tiny.gguf")
     return folder
-
-
-class RawPeer:
-    """A hand-driven MAGN peer: send payloads or raw bytes, read decoded messages."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(30)
-        self.sock.connect(str(path))
-        self.parser = FrameParser()
-
-    def send(self, payload: dict) -> None:
-        self.sock.sendall(encode_frame(payload))
-
-    def read(self) -> m.Message:
-        while True:
-            event = self.parser.next_event()
-            if event is not NEED_DATA:
-                return m.parse_message(event.payload)
-            self.parser.receive_data(self.sock.recv(65536))
-
-    def read_token(self) -> m.Message:
-        """The next message that is not a HEARTBEAT (a busy machine may be slow to the first token)."""
-        while True:
-            msg = self.read()
-            if not isinstance(msg, m.Heartbeat):
-                return msg
-
-    def read_until_end(self, task_id: str) -> list[m.Message]:
-        out = []
-        while True:
-            msg = self.read()
-            out.append(msg)
-            if isinstance(msg, m.TaskComplete | m.ErrorMessage) and getattr(msg, "task_id", None) == task_id:
-                return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_streaming_delivers_tokens_then_a_completion_with_their_text(model_dir: Path) -> None:

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 import yaml
+from crafted import write_llama
 
 from appliance.config.validate import parse_config
 from appliance.daemon.core import Daemon
@@ -26,47 +25,9 @@ from appliance.daemon.devices import FakeDevice
 from appliance.engine import modelcheck
 from appliance.engine.fake import FakeEngine, GatedEngine, ManualClock
 from appliance.engine.gguf_meta import read_model_shape
-from appliance.engine.tinymodel import build_vocabulary, resolve_hyperparams, tensor_specs
 from appliance.errors import ApplianceError
 
 GiB = 1024**3
-
-
-def write_llama(path: Path, *, claims: dict[str, int] | None = None, duplicate_token: bool = False,
-                drop_tensor: str | None = None) -> Path:
-    """A small loadable llama model (2 layers, 64 wide); ``claims`` override its metadata, ``duplicate_token``
-    gives two vocabulary entries the same text, ``drop_tensor`` leaves one tensor out."""
-    hp = resolve_hyperparams(2, 64, None, None, None, 256)
-    vocab = build_vocabulary()
-    tokens = list(vocab.tokens)
-    if duplicate_token:
-        tokens[300] = tokens[301]
-    values = {"context_length": 256, "embedding_length": hp.dim, "block_count": hp.layers,
-              "feed_forward_length": hp.ff, "attention.head_count": hp.heads, "attention.head_count_kv": hp.kv_heads,
-              "rope.dimension_count": hp.head_dim, **(claims or {})}
-    writer = gguf.GGUFWriter(path, "llama")
-    for key, value in values.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(list(vocab.scores))
-    writer.add_token_types(list(vocab.types))
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    rng = np.random.default_rng(0)
-    for spec in tensor_specs(hp, len(tokens)):
-        if spec.name == drop_tensor:
-            continue
-        data = np.ones(spec.shape, np.float32) if spec.is_norm else rng.standard_normal(spec.shape, np.float32) * 0.02
-        writer.add_tensor(spec.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -18,38 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import RawPeer
 from hostile_checks import HUNG_S, rss_bytes
 
 from appliance.protocol import messages as m
 from appliance.protocol.frames import HEADER, MAGIC, NEED_DATA, VERSION, FrameParser, encode_frame
 
 MiB = 1024 * 1024
-
-
-class MagnPeer:
-    """A raw MAGN client: frames out, messages in."""
-
-    def __init__(self, path: Path, *, timeout: float = HUNG_S) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
-        self.parser = FrameParser()
-
-    def send(self, payload: dict) -> None:
-        self.sock.sendall(encode_frame(payload))
-
-    def read(self) -> m.Message:
-        while True:
-            event = self.parser.next_event()
-            if event is not NEED_DATA:
-                return m.parse_message(event.payload)
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the daemon closed the connection")
-            self.parser.receive_data(chunk)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def line_request(path: Path, text: str, timeout: float = HUNG_S) -> str:
@@ -85,7 +60,7 @@ def infer_frames(count: int, max_tokens: int, **fields: object) -> bytes:
 def test_tasks_beyond_max_tasks_per_connection_are_refused_and_the_connection_goes_on(hostile):
     """300 INFER_REQUESTs at once on one connection: at most max_tasks_per_connection (4) are in flight, the
     others get TOO_MANY_TASKS with the limit, and the connection keeps working."""
-    hog = MagnPeer(hostile.socket)
+    hog = RawPeer(hostile.socket)
     try:
         hog.sock.sendall(infer_frames(300, 8, model="demo"))
         completed, refused = 0, []
@@ -109,7 +84,7 @@ def test_a_connection_queueing_many_requests_does_not_starve_the_neighbour(hosti
     """One connection queues 64 generations at once (the limit raised for the case): the engine serves its
     queue and the neighbour's agent in turn, one job each, so the neighbour waits for one of the hog's jobs at
     most, not for all 64 (a FIFO queue made every other client wait more than 60 s for 3,000 such requests)."""
-    hog = MagnPeer(hostile.socket)
+    hog = RawPeer(hostile.socket)
     served = hostile.neighbour.served
     latencies_before = len(hostile.neighbour.latencies_ms)
     try:
@@ -226,7 +201,7 @@ def test_a_stream_nobody_reads_is_paused_then_cancelled(hostile):
     passes the high-water mark the generation pauses, and after stall_timeout_s it is cancelled with TIMEOUT;
     far fewer tokens are generated than asked for (a sampled stream may also end early on EOS: hence three)."""
     latencies_before = len(hostile.neighbour.latencies_ms)
-    peer = MagnPeer(hostile.socket)
+    peer = RawPeer(hostile.socket)
     ends: dict[str, m.Message] = {}
     streamed = 0
     try:

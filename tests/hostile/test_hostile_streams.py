@@ -7,43 +7,11 @@ import socket
 import time
 from typing import Any
 
+from harness import RawPeer
+
 from appliance.client import lines as lineclient
 from appliance.protocol import messages as m
-from appliance.protocol.events import NEED_DATA
-from appliance.protocol.frames import FrameParser, encode_frame
-
-
-class Peer:
-    """A hand-driven MAGN peer."""
-
-    def __init__(self, path: object) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(20)
-        self.sock.connect(str(path))
-        self.parser = FrameParser()
-
-    def send(self, payload: dict) -> None:
-        self.sock.sendall(encode_frame(payload))
-
-    def read(self) -> m.Message:
-        while True:
-            event = self.parser.next_event()
-            if event is not NEED_DATA:
-                return m.parse_message(event.payload)
-            data = self.sock.recv(65536)
-            assert data, "the daemon closed the connection"
-            self.parser.receive_data(data)
-
-    def until_end(self, task_id: str) -> list[m.Message]:
-        got = []
-        while True:
-            msg = self.read()
-            got.append(msg)
-            if isinstance(msg, m.TaskComplete | m.ErrorMessage) and getattr(msg, "task_id", None) == task_id:
-                return got
-
-    def close(self) -> None:
-        self.sock.close()
+from appliance.protocol.frames import encode_frame
 
 
 def wait_idle(hostile, agent: str, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
@@ -98,7 +66,7 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
 
     runtime.llm.tokenize = counting
     served = hostile.neighbour.served
-    peer = Peer(hostile.socket)
+    peer = RawPeer(hostile.socket)
     frame = encode_frame({"type": "INFER_REQUEST", "task_id": "big", "model": "demo", "max_tokens": 4,
                           "prompt": "hello world " * 1_000_000, "temperature": 0})
     took: list[float] = []
@@ -106,14 +74,14 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
         for _ in range(3):
             start = time.monotonic()
             peer.sock.sendall(frame)
-            end = peer.until_end("big")[-1]
+            end = peer.read_until_end("big")[-1]
             took.append(time.monotonic() - start)
             assert isinstance(end, m.ErrorMessage) and end.error.code == "CONTEXT_OVERFLOW", end
             assert end.error.details["prompt_bytes"] == 12_000_000
             assert end.error.details["max_prompt_bytes"] == 1023 * runtime.longest_piece
         peer.send({"type": "INFER_REQUEST", "task_id": "small", "model": "demo", "prompt": "Hello",
                    "max_tokens": 4, "temperature": 0})
-        done = peer.until_end("small")[-1]
+        done = peer.read_until_end("small")[-1]
         assert isinstance(done, m.TaskComplete) and done.usage.completion_tokens == 4
     finally:
         peer.close()
@@ -126,19 +94,19 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
 def test_sampled_streams_carry_exactly_the_final_text(hostile) -> None:  # type: ignore[no-untyped-def]
     """Temperature 0.8 on a random-weight model: byte tokens that end mid-character are common; the STREAM_TOKEN
     texts joined are TASK_COMPLETE's text every time, and max_tokens past the context stops there with length."""
-    peer = Peer(hostile.socket)
+    peer = RawPeer(hostile.socket)
     try:
         for i in range(40):
             task = f"s{i}"
             peer.send({"type": "INFER_REQUEST", "task_id": task, "model": "demo-b", "prompt": f"Hello {i}",
                        "max_tokens": 24, "temperature": 0.8, "stream": True})
-            got = peer.until_end(task)
+            got = peer.read_until_end(task)
             done = got[-1]
             assert isinstance(done, m.TaskComplete), done
             assert "".join(msg.text for msg in got if isinstance(msg, m.StreamToken)) == done.text, task
         peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "demo-b", "prompt": "Hello",
                    "max_tokens": 100_000, "temperature": 0, "stream": True})
-        got = peer.until_end("long")
+        got = peer.read_until_end("long")
         done = got[-1]
         assert isinstance(done, m.TaskComplete) and done.stop_reason == "length", done
         assert done.usage.prompt_tokens + done.usage.completion_tokens == 512  # demo-b's n_ctx

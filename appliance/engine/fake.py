@@ -36,6 +36,8 @@ from appliance.engine.interface import (
     StopReason,
     SwapReport,
     Token,
+    check_prompt_size,
+    tokens_to_generate,
 )
 from appliance.engine.streamtext import StreamText
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
@@ -230,21 +232,9 @@ class FakeRuntime(LiveSlot):
         self._check()
         if self.live is not conv:
             raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
-        size = len(prompt.encode("utf-8", errors="surrogatepass"))
-        limit = max(0, self.n_ctx - len(conv.tokens) - 1) * LONGEST_PIECE
-        if size > limit:
-            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt is too long for the room left in the model's context",
-                                 {"n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_bytes": size,
-                                  "max_prompt_bytes": limit})
+        check_prompt_size(self.n_ctx, conv, len(prompt.encode("utf-8", errors="surrogatepass")), LONGEST_PIECE)
         new = tokenize(prompt, bos=not conv.tokens)
-        if not conv.tokens and not new:
-            raise ApplianceError("BAD_REQUEST", "empty prompt and no conversation to continue")
-        room = self.n_ctx - len(conv.tokens) - len(new)
-        if room < 1:
-            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt leaves no room in the model's context", {
-                "n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_tokens": len(new),
-                "requested_tokens": n_tokens})
-        n_tokens = min(n_tokens, room)
+        n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
         if self.kv != conv.tokens[: len(self.kv)] or len(self.kv) != conv.n_evaluated:
             raise ApplianceError("INTERNAL", "fake KV cache does not match the conversation")
         start = time.perf_counter()

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from appliance.errors import ApplianceError
+
 Where = Literal["empty", "device", "host"]
 """Where a conversation's KV state is: nowhere yet, in the live context, or parked in host RAM."""
 StopReason = Literal["eos", "length", "stop", "cancelled"]
@@ -123,6 +125,30 @@ class LiveSlot:
         conv.buffer = None
         conv.nbytes = 0
         conv.where = "empty"
+
+
+def check_prompt_size(n_ctx: int, conv: Conversation, size: int, longest_piece: int) -> None:
+    """Refuse, before tokenizing, a prompt of ``size`` UTF-8 bytes that cannot fit: every token stands for at most
+    ``longest_piece`` bytes, and the prompt must leave room for one new token (``CONTEXT_OVERFLOW``)."""
+    limit = max(0, n_ctx - len(conv.tokens) - 1) * longest_piece
+    if size > limit:
+        raise ApplianceError("CONTEXT_OVERFLOW", "the prompt is too long for the room left in the model's context",
+                             {"n_ctx": n_ctx, "context_tokens": len(conv.tokens), "prompt_bytes": size,
+                              "max_prompt_bytes": limit})
+
+
+def tokens_to_generate(n_ctx: int, conv: Conversation, new: list[int], n_tokens: int) -> int:
+    """How many tokens a request may generate: ``n_tokens`` clamped to the room the context leaves after the
+    conversation and its ``new`` prompt tokens. An empty prompt with no conversation is ``BAD_REQUEST``, a prompt
+    that leaves no room is ``CONTEXT_OVERFLOW``."""
+    if not conv.tokens and not new:
+        raise ApplianceError("BAD_REQUEST", "empty prompt and no conversation to continue")
+    room = n_ctx - len(conv.tokens) - len(new)
+    if room < 1:
+        raise ApplianceError("CONTEXT_OVERFLOW", "the prompt leaves no room in the model's context", {
+            "n_ctx": n_ctx, "context_tokens": len(conv.tokens), "prompt_tokens": len(new),
+            "requested_tokens": n_tokens})
+    return min(n_tokens, room)
 
 
 class RuntimeProtocol(Protocol):

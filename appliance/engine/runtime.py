@@ -31,6 +31,8 @@ from appliance.engine.interface import (  # re-exported: importers of these from
     SwapReport,
     Token,
     Where,
+    check_prompt_size,
+    tokens_to_generate,
 )
 from appliance.engine.streamtext import StreamText
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
@@ -152,14 +154,7 @@ class Runtime(LiveSlot):
             raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
         data = self._prompt_bytes(conv, prompt)
         new = self.llm.tokenize(data, add_bos=not conv.tokens, special=False) if data else []
-        if not conv.tokens and not new:
-            raise ApplianceError("BAD_REQUEST", "empty prompt and no conversation to continue")
-        room = self.n_ctx - len(conv.tokens) - len(new)
-        if room < 1:
-            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt leaves no room in the model's context", {
-                "n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_tokens": len(new),
-                "requested_tokens": n_tokens})
-        n_tokens = min(n_tokens, room)
+        n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
         llm = self.llm
         start = time.perf_counter()
         before = len(conv.tokens)
@@ -215,11 +210,7 @@ class Runtime(LiveSlot):
         except UnicodeEncodeError:
             raise ApplianceError("BAD_REQUEST", "the prompt is not valid Unicode (it has a lone surrogate)",
                                  {"field": "prompt"}) from None
-        limit = max(0, self.n_ctx - len(conv.tokens) - 1) * self.longest_piece
-        if len(data) > limit:
-            raise ApplianceError("CONTEXT_OVERFLOW", "the prompt is too long for the room left in the model's context",
-                                 {"n_ctx": self.n_ctx, "context_tokens": len(conv.tokens), "prompt_bytes": len(data),
-                                  "max_prompt_bytes": limit})
+        check_prompt_size(self.n_ctx, conv, len(data), self.longest_piece)
         return data
 
     def _eval(self, tokens: list[int]) -> None:

@@ -84,6 +84,20 @@ class Prober:
         conn.close()
 
 
+def request(sock: socket.socket, reader: Any, line: str) -> str:
+    """Send one line-protocol command on an open connection (``reader``: its binary file) and read its reply."""
+    sock.sendall(line.encode() + b"\n")
+    lines = []
+    while True:
+        raw = reader.readline()
+        if not raw:
+            raise ConnectionError("the daemon closed the connection")
+        text = raw.decode()
+        lines.append(text)
+        if text.startswith("ERR ") or text == "END_RESPONSE\n":
+            return "".join(lines)
+
+
 @dataclass
 class Neighbour:
     """A well-behaved line client: its own agent, a few tokens per DECODE, one request every
@@ -96,18 +110,6 @@ class Neighbour:
     errors: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def request(self, sock: socket.socket, reader: Any, line: str) -> str:
-        sock.sendall(line.encode() + b"\n")
-        lines = []
-        while True:
-            raw = reader.readline()
-            if not raw:
-                raise ConnectionError("the daemon closed the neighbour's connection")
-            text = raw.decode()
-            lines.append(text)
-            if text.startswith("ERR ") or text == "END_RESPONSE\n":
-                return "".join(lines)
-
     def run(self) -> None:
         generation = 0
         while not self.stop.is_set():
@@ -118,20 +120,20 @@ class Neighbour:
                     sock.settimeout(HUNG_S)
                     sock.connect(str(self.socket_path))
                     reader = sock.makefile("rb")
-                    reply = self.request(sock, reader, f"REGISTER {agent} {self.model}")
+                    reply = request(sock, reader, f"REGISTER {agent} {self.model}")
                     if reply.startswith("ERR"):
                         raise RuntimeError(reply.strip())
                     for _ in range(NEIGHBOUR_RESTART):
                         if self.stop.is_set():
                             break
                         start = time.perf_counter()
-                        reply = self.request(sock, reader, f"DECODE {agent} {NEIGHBOUR_TOKENS} hello")
+                        reply = request(sock, reader, f"DECODE {agent} {NEIGHBOUR_TOKENS} hello")
                         self.latencies_ms.append((time.perf_counter() - start) * 1000)
                         if reply.startswith("ERR"):
                             raise RuntimeError(reply.strip())
                         self.served += 1
                         self.stop.wait(NEIGHBOUR_PERIOD_S)
-                    self.request(sock, reader, f"UNREGISTER {agent}")
+                    request(sock, reader, f"UNREGISTER {agent}")
             except (OSError, RuntimeError, ConnectionError) as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 self.stop.wait(0.2)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import socket
 import urllib.request
-from typing import Any
 
 import pytest
-from hostile_checks import HUNG_S, rss_bytes
+from hostile_checks import HUNG_S, request, rss_bytes
 
 MiB = 1024 * 1024
 BUDGET = 4 * MiB
@@ -23,19 +22,6 @@ SLACK = 24 * MiB
 """RSS growth allowed beyond the budget: the live context's KV pages, touched as long prompts fill it (ledger bytes
 on a CPU box: about 10 MiB for one agent's 1,000 tokens with nothing parked), compute buffers, allocator slack."""
 PROMPT = "the quick brown fox jumps over the lazy dog " * 22  # about 500 tokens: ~2 MiB of KV state each
-
-
-def request(sock: socket.socket, reader: Any, line: str) -> str:
-    sock.sendall(line.encode() + b"\n")
-    lines = []
-    while True:
-        raw = reader.readline()
-        if not raw:
-            raise ConnectionError("the daemon closed the connection")
-        text = raw.decode()
-        lines.append(text)
-        if text.startswith("ERR ") or text == "END_RESPONSE\n":
-            return "".join(lines)
 
 
 def host_kv(base_url: str) -> dict[str, int]:

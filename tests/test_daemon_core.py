@@ -23,7 +23,7 @@ from appliance.app import sweep_period
 from appliance.config.validate import Config, parse_config
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import FakeDevice
-from appliance.engine.fake import BOS, FakeEngine, Gate, ManualClock, next_token
+from appliance.engine.fake import FakeEngine, Gate, ManualClock, fresh_text
 from appliance.engine.interface import EngineProtocol, RuntimeProtocol, Sampling, Token
 from appliance.errors import ApplianceError
 
@@ -76,16 +76,6 @@ def run(tmp_path: Path, body: Callable[[Env], Awaitable[None]], models: dict[str
 
     asyncio.run(asyncio.wait_for(main(), timeout))
     return env
-
-
-def fake_text(prompt: str, n: int) -> str:
-    """What the fake model generates for a fresh conversation."""
-    tokens = [BOS] + [ord(c) for c in prompt]
-    out = ""
-    for _ in range(n):
-        tokens.append(next_token(tokens))
-        out += chr(tokens[-1])
-    return out
 
 
 async def error_of(awaitable: Awaitable[Any]) -> ApplianceError:
@@ -182,7 +172,7 @@ def test_a_running_request_is_never_idle(tmp_path: Path) -> None:
         env.clock.advance(1e6)
         assert await daemon.sweep_idle() == [] and daemon.models["m"].inflight > 0
         gate.open()
-        assert (await job).generation.text == fake_text("Hi", 3)
+        assert (await job).generation.text == fresh_text("Hi", 3)
         assert await daemon.sweep_idle() == []  # finishing counts as a use
         env.clock.advance(60)
         assert await daemon.sweep_idle() == ["m"]
@@ -320,7 +310,7 @@ def test_cancel_stops_at_the_next_token(tmp_path: Path) -> None:
         cancel.set()
         result = await job
         assert result.generation.stop_reason == "cancelled" and result.generation.generated_tokens == 3
-        assert "".join(t.text for t in streamed) == result.generation.text == fake_text("Hello", 3)
+        assert "".join(t.text for t in streamed) == result.generation.text == fresh_text("Hello", 3)
         assert agent.model.inflight == 0 and not agent.lock.locked() and gate.passed == 3
         assert agent.conversation.tokens == []  # rolled back: the request is as if never sent
 
@@ -334,7 +324,7 @@ def test_cancel_stops_at_the_next_token(tmp_path: Path) -> None:
         assert agent.conversation.tokens == []
         gate.open()
         more = await daemon.decode("a", 2, "Hello")  # the conversation goes on as if neither had been sent
-        assert more.generation.text == fake_text("Hello", 2)
+        assert more.generation.text == fresh_text("Hello", 2)
         assert len(agent.conversation.tokens) == 1 + len("Hello") + 2
 
     run(tmp_path, body)
@@ -356,7 +346,7 @@ def test_kv_swap_is_reported_and_continues_exactly(tmp_path: Path) -> None:
         assert states["b"]["state"] == "device" and states["x"]["state"] == "device"
         second = await daemon.decode("a", 8, "")
         assert (second.evicted, second.restored) == ("b", True)
-        assert first.generation.text + second.generation.text == fake_text("Hello", 16)
+        assert first.generation.text + second.generation.text == fresh_text("Hello", 16)
         again = await daemon.decode("a", 1, "")  # still live: no swap
         assert (again.evicted, again.restored) == (None, False)
         assert daemon.counters["kv_swaps"] == 2 and daemon.counters["kv_restores"] == 1
@@ -372,7 +362,7 @@ def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None
         daemon = env.daemon
         one = await daemon.complete("m", 6, "Hello")
         two = await daemon.complete("m", 6, "Hello")
-        assert one.agent is None and one.generation.text == two.generation.text == fake_text("Hello", 6)
+        assert one.agent is None and one.generation.text == two.generation.text == fresh_text("Hello", 6)
         assert (two.evicted, two.restored) == (None, False)  # the first one's context was dropped already
         model = daemon.models["m"]
         assert model.runtime is not None and model.runtime.live is None
@@ -383,7 +373,7 @@ def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None
         assert anon.evicted == "a"
         back = await daemon.decode("a", 4, "")
         assert back.restored and back.evicted is None
-        full = fake_text("Hello", 50)
+        full = fresh_text("Hello", 50)
         stop = await daemon.complete("m", 50, "Hello", Sampling(stop=(full[1:3],)))
         assert stop.generation.stop_reason == "stop" and stop.generation.text == full[:full.find(full[1:3])]
         env.engine.eos_when = lambda tokens: len(tokens) >= 1 + len("Hello") + 2

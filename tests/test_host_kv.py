@@ -23,7 +23,7 @@ from appliance.daemon.hostkv import (
     per_token,
     to_drop,
 )
-from appliance.engine.fake import BOS, FakeEngine, FakeRuntime, ManualClock, next_token
+from appliance.engine.fake import FakeEngine, FakeRuntime, ManualClock, fresh_text
 from appliance.engine.interface import Conversation
 from appliance.server.lines import status_body
 
@@ -109,15 +109,6 @@ def make_config(tmp_path: Path, **extra: Any) -> Config:
     return parse_config(yaml.safe_dump(doc), base_dir=tmp_path, check_files=False)
 
 
-def fake_text(prompt: str, n: int) -> str:
-    tokens = [BOS] + [ord(c) for c in prompt]
-    out = ""
-    for _ in range(n):
-        tokens.append(next_token(tokens))
-        out += chr(tokens[-1])
-    return out
-
-
 STATE = 4 * (1 + 6 + 7)  # a fake conversation of a 6-character prompt and 8 tokens, parked: 14 tokens evaluated
 
 
@@ -155,12 +146,12 @@ def test_the_daemon_drops_the_least_recently_used_parked_state_and_never_refuses
             assert e.dropped == ("b",)
             again = await decode("a", "")  # a comes back: rebuilt from its tokens, the same continuation
             assert again.rebuilt and not again.restored and again.evicted == "e" and again.dropped == ("c",)
-            assert first["a"].generation.text + again.generation.text == fake_text("Agenta", 16)
+            assert first["a"].generation.text + again.generation.text == fresh_text("Agenta", 16)
             c = await decode("c", "")  # parks a, now 22 tokens long: d, e, a do not fit, nor do e and a
-            assert c.rebuilt and c.dropped == ("d", "e") and c.generation.text == fake_text("Agentc", 16)[8:]
+            assert c.rebuilt and c.dropped == ("d", "e") and c.generation.text == fresh_text("Agentc", 16)[8:]
             a_3 = await decode("a", "")  # a (88 bytes) and c (88) do not fit together: a is rebuilt, not restored
             assert a_3.rebuilt and not a_3.restored and a_3.dropped == ("a",) and a_3.evicted == "c"
-            assert a_3.generation.text == fake_text("Agenta", 24)[16:]
+            assert a_3.generation.text == fresh_text("Agenta", 24)[16:]
             states = {a["id"]: a["state"] for a in daemon.snapshot()["agents"]}
             assert [a for a, where in states.items() if where == "host"] == ["c"]
             assert states["b"] == states["d"] == states["e"] == "empty"  # dropped, their tokens kept
@@ -224,7 +215,7 @@ def test_a_zero_budget_keeps_no_parked_state_and_decodes_go_on(tmp_path: Path) -
                     result = await daemon.decode(name, 4, f"Agent{name}" if not texts[name] else "")
                     texts[name] += result.generation.text
                     assert daemon.snapshot()["host_kv"]["parked_bytes"] == 0
-            assert texts == {"a": fake_text("Agenta", 12), "b": fake_text("Agentb", 12)}
+            assert texts == {"a": fresh_text("Agenta", 12), "b": fresh_text("Agentb", 12)}
             assert daemon.counters["host_kv_drops"] == 5 and daemon.counters["kv_restores"] == 0
         finally:
             await daemon.close()

@@ -151,6 +151,16 @@ def next_token(history: Iterable[int]) -> int:
     return ord("a") + h % 26
 
 
+def fresh_text(prompt: str, n: int) -> str:
+    """What the fake model generates in ``n`` tokens for ``prompt`` in a fresh conversation (tests compare)."""
+    tokens = tokenize(prompt, bos=True)
+    out = ""
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+        out += chr(tokens[-1])
+    return out
+
+
 def tokenize(text: str, *, bos: bool) -> list[int]:
     """Fake tokens: one per character (its code point), after ``BOS`` when ``bos``."""
     return ([BOS] if bos else []) + [ord(c) for c in text] if text else []

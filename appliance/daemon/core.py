@@ -9,6 +9,25 @@ suspended agent's KV state waits in host RAM. Agents on different models never e
 The daemon only knows the engine through :class:`~appliance.engine.interface.EngineProtocol` and time through its
 ``clock``: tests run it on :class:`appliance.engine.fake.FakeEngine` and a :class:`~appliance.engine.fake.ManualClock`
 without a model and without sleeping (tests/test_daemon_core.py).
+
+Hot reload (SPEC C3) changes a running daemon through two calls, :meth:`Daemon.apply_config` and
+:meth:`Daemon.reload_model`; the rules:
+
+* **Admission**: a new ``admission_percent`` re-bases the ledger cap at once. A lower cap never evicts anyone:
+  while more is allocated than the cap allows, new loads are refused (``VRAM_LEDGER_DENY``) and STATUS shows
+  ``over_cap=yes``, until enough unloads.
+* **Removed model (retired)**: it takes no new agents and no stateless requests (its name is unknown; a REGISTER
+  of its file by path loads it anew under the path's name). Its agents keep decoding. It unloads as soon as it has
+  no agent and nothing in flight (at once if that is already so, else when its last agent leaves or its last
+  request ends), then disappears from STATUS; meanwhile STATUS shows it with ``retired=yes``. A model that comes
+  back in a later config before it unloaded serves again (reloaded first if its file or context settings changed).
+* **Live model keys** (``idle_ttl_s``) apply in place; the model keeps its runtime.
+* **Reloaded model** (file or context settings changed): the new estimate is admitted by the ledger under a
+  temporary key while the old runtime still serves and holds its bytes; a denial or a failed load leaves the old
+  one serving. Then, in one engine job, the old runtime closes and the new one takes its place and its ledger key.
+  Its agents stay registered: with the same vocabulary their tokens are kept and re-evaluated on the new weights
+  at their next decode; with a different vocabulary their conversations are reset and their next decode result
+  carries a one-time notice. Other models and their agents are not touched.
 """
 
 from __future__ import annotations
@@ -63,6 +82,8 @@ class Model:
     last_used: float = 0.0
     baseline: int = 0
     kv_bytes_per_token: int = 0  # the largest ratio its KV swaps showed (engine thread): sizes a state before a swap
+    retired: bool = False  # removed from the config: no new users, unloaded and forgotten once unused
+    file: FileIdentity | None = None  # the model file as it was when the loaded runtime was read from it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -75,7 +96,7 @@ class Model:
 
     def view(self) -> policy.ModelView:
         return policy.ModelView(self.key, self.state == "loaded", self.refcount, self.inflight,
-                                self.last_used, self.spec.idle_ttl_s)
+                                self.last_used, self.spec.idle_ttl_s, self.retired)
 
 
 @dataclass(eq=False)
@@ -86,6 +107,7 @@ class Agent:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     owner: object | None = None  # a connection that owns this agent (MAGN sessions); None = until UNREGISTER
     last_used: float = 0.0  # when it registered or last decoded (agent_idle_ttl_s, host KV drop order)
+    notice: str | None = None  # said once, by its next decode result (its model was reloaded: conversation reset)
 
     def view(self) -> policy.AgentView:
         return policy.AgentView(self.id, self.last_used, self.lock.locked())
@@ -107,6 +129,19 @@ class DecodeResult:
     restored: bool
     rebuilt: bool = False  # its parked KV state had been dropped (host_kv_budget): its tokens were re-evaluated
     dropped: tuple[str, ...] = ()  # agents whose parked KV state this decode dropped to stay within host_kv_budget
+    notice: str | None = None  # a one-time message for the client (its conversation was reset by a model reload)
+
+
+FileIdentity = tuple[int, int, int, int]
+"""A file's (device, inode, size, mtime_ns); (0, 0, 0, 0) when it cannot be read."""
+
+
+def file_identity(path: Path) -> FileIdentity:
+    try:
+        stat = path.stat()
+    except OSError:
+        return (0, 0, 0, 0)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def model_defaults(name: str, path: Path) -> ModelConfig:
@@ -147,6 +182,42 @@ def log_load_failure(name: str, error: ApplianceError) -> None:
                     details.get("ledger_max_bytes"))
     else:
         log.warning("model %s not loaded: %s %s", name, error.code, error.message)
+
+
+RELOAD_KEYS = frozenset(s.name for s in settings.SETTINGS if s.section == "models" and not s.live)
+"""The ``models[]`` keys whose change needs the model's weights reloaded (the others apply in place)."""
+
+
+def needs_reload(before: ModelConfig, after: ModelConfig) -> bool:
+    """True when two specs of one model differ in a key that only a reload applies (path, n_ctx, ...)."""
+    return any(getattr(before, key) != getattr(after, key) for key in RELOAD_KEYS)
+
+
+def reload_key(name: str) -> str:
+    """The ledger key that holds a reloading model's new estimate while its old runtime still serves."""
+    return f"{name} (reloading)"
+
+
+def vocabulary_notice(name: str) -> str:
+    return f"conversation reset: model {name} was reloaded with a different vocabulary"
+
+
+async def finish(job: asyncio.Future[Any]) -> Any:
+    """Await an engine ``job`` to its end: a caller cancelled meanwhile still waits for it, then is cancelled
+    (so that what the job made, a runtime, can be cleaned up)."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await job
+        raise
+
+
+def job_result(job: asyncio.Future[Any]) -> Any:
+    """A finished job's value, or None when it failed, was cancelled or has not finished."""
+    if not job.done() or job.cancelled() or job.exception() is not None:
+        return None
+    return job.result()
 
 
 def buffer_bytes(conv: Conversation) -> int:
@@ -197,11 +268,12 @@ class Daemon:
         self.ledger = Ledger(compute_cap(self.reading.total, config.admission_percent, self.external))
         self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
                                          "denials": 0, "host_kv_drops": 0, "host_kv_rebuilds": 0,
-                                         "agents_expired": 0}
+                                         "agents_expired": 0, "reloads": 0}
         self.physical_memory = physical_memory()
         self.closing = False
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
         self.reports: dict[str, Callable[[], dict[str, Any]]] = {}  # other parts' figures for STATUS
+        self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -240,10 +312,14 @@ class Daemon:
         return "available" if model is None else model.state
 
     def estimate(self, model: Model) -> int:
-        if model.spec.vram_bytes is not None:
-            return model.spec.vram_bytes
-        shape = gguf_meta.read_model_shape(model.path)
-        return gguf_meta.estimate(shape, model.spec.n_ctx, model.spec.cache_type).total
+        return self.estimate_spec(model.spec)
+
+    def estimate_spec(self, spec: ModelConfig) -> int:
+        """The ledger figure of ``spec``: the operator's ``vram_bytes``, else the GGUF table estimate."""
+        if spec.vram_bytes is not None:
+            return spec.vram_bytes
+        shape = gguf_meta.read_model_shape(spec.path)
+        return gguf_meta.estimate(shape, spec.n_ctx, spec.cache_type).total
 
     async def acquire(self, model: Model) -> None:
         """Make sure ``model`` is loaded: estimate -> check -> reserve -> load; any failure rolls back (L3)."""
@@ -254,6 +330,7 @@ class Daemon:
             interrupted = False
             started = time.perf_counter()
             try:
+                model.file = await asyncio.to_thread(file_identity, model.path)  # before the load
                 if model.estimate is None:
                     model.estimate = await asyncio.to_thread(self.estimate, model)
                 # A trial load in a child process (llama.cpp aborts on some bad files): off the loop and off
@@ -311,6 +388,7 @@ class Daemon:
         """Unregister agents idle past ``agent_idle_ttl_s`` (L11), then unload models idle past their TTL (L7);
         returns the names of the models unloaded."""
         await self.expire_agents()
+        await self.drain_retired()
         names = policy.expired([m.view() for m in self.models.values()], self.clock())
         idle: list[str] = []
         for name in names:
@@ -363,6 +441,11 @@ class Daemon:
             except BaseException:
                 model.refcount -= 1
                 raise
+            if model.retired:  # removed from the config while it loaded
+                model.refcount -= 1
+                self._settle_retired(model)
+                raise ApplianceError("UNKNOWN_MODEL", f"model {model.key!r} was removed from the config",
+                                     {"model": model.key, "known": [m.name for m in self.config.models]})
             agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner, last_used=self.clock())
             log.info("agent %s registered on model %s%s", agent_id, model.key,
                      "" if owner is None else " (owned by its connection)")
@@ -383,9 +466,16 @@ class Daemon:
         model = agent.model
         model.refcount -= 1
         log.info("agent %s unregistered (%s)", agent.id, reason)
-        if model.runtime is not None:
-            await self.engine.call(model.runtime.detach, agent.conversation)
+        await self.engine.call(self._detach, model, agent.conversation)
         await self.unload(model, policy.unload_on_release, reason="last agent left")
+        self._forget_retired(model)
+
+    def _detach(self, model: Model, conv: Conversation) -> None:
+        """Detach ``conv`` from its model's runtime as it is when this runs (engine thread): a reload may have
+        replaced the runtime since the job was queued."""
+        runtime = model.runtime
+        if runtime is not None:
+            runtime.detach(conv)
 
     def agent(self, agent_id: str) -> Agent:
         agent = self.agents.get(agent_id)
@@ -409,7 +499,7 @@ class Daemon:
                 raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
             agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
             try:
-                return await self._run(agent.model, agent.conversation, agent_id, n_tokens, prompt, sampling,
+                return await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
                                        on_token, cancel, queue=("agent", agent_id))
             finally:
                 agent.last_used = self.clock()
@@ -430,23 +520,29 @@ class Daemon:
         finally:
             model.inflight -= 1
             model.last_used = self.clock()
+            if policy.unload_retired(model.view()):
+                self._settle_retired(model)
 
-    async def _run(self, model: Model, conv: Conversation, agent_id: str | None, n_tokens: int,
+    async def _run(self, model: Model, conv: Conversation, agent: Agent | None, n_tokens: int,
                    prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
                    cancel: threading.Event | None, ephemeral: bool = False,
                    queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
         """Generate on the engine thread; ``queue`` is the engine queue the job waits in (the engine serves its
-        queues round-robin: an agent's decodes, a connection's stateless requests)."""
+        queues round-robin: an agent's decodes, a connection's stateless requests). The job reads the model's
+        runtime when it runs: a reload queued before it may have replaced the runtime."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
-        runtime = model.runtime
-        if runtime is None:
+        if model.runtime is None:
             raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+        agent_id = None if agent is None else agent.id
         cancel = cancel or threading.Event()
         owner = {id(a.conversation): a.id for a in self.agents.values()}
         dropped: list[str] = []
 
         def work() -> DecodeResult:
+            runtime = model.runtime
+            if runtime is None:
+                raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
             # The agents as they are now, not at submit time: the engine may have served other queues first.
             # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
             agents = list(self.agents.copy().values())
@@ -467,7 +563,11 @@ class Daemon:
                 if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
                     runtime.detach(conv)
             evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
-            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored, rebuilt, tuple(dropped))
+            notice = None
+            if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
+                notice, agent.notice = agent.notice, None
+            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored, rebuilt, tuple(dropped),
+                                notice)
 
         model.inflight += 1
         self._running.add(cancel)
@@ -532,6 +632,205 @@ class Daemon:
                 "parked_agents": sum(conv.where == "host" for conv in convs),
                 "drops": self.counters["host_kv_drops"], "rebuilds": self.counters["host_kv_rebuilds"]}
 
+    # -- hot reload ------------------------------------------------------------------------------
+    def apply_config(self, new: Config) -> list[str]:
+        """Swap in ``new`` (validated) and apply what takes no load: the ledger cap for ``admission_percent``,
+        live model keys in place, retiring removed models and un-retiring returned ones (module docstring).
+        Models whose file or context settings changed are left to :meth:`reload_model` (see
+        :meth:`models_to_reload`). Returns one short line per thing done."""
+        old, self.config = self.config, new
+        done: list[str] = []
+        cap = compute_cap(self.reading.total, new.admission_percent, self.external)
+        if cap != self.ledger.cap:
+            self.ledger.set_cap(cap)
+            allocated = self.ledger.allocated
+            over = f": {allocated} bytes allocated, over it: new loads are refused meanwhile" if allocated > cap else ""
+            done.append(f"ledger cap {cap} bytes (admission_percent {new.admission_percent:g}){over}")
+        configured = {spec.name for spec in old.models}
+        for model in list(self.models.values()):
+            spec = new.model(model.key)
+            if spec is None:
+                if model.key in configured and not model.retired:  # a model registered by path is in no config
+                    model.retired = True
+                    done.append(f"{model.key} retired: no new agents; it unloads when nothing uses it")
+                    log.info("model %s removed from the config: retired (%d agents, %d requests in flight)",
+                             model.key, model.refcount, model.inflight)
+                    self._settle_retired(model)
+                continue
+            if model.retired:
+                model.retired = False
+                done.append(f"{model.key} is back in the config: it serves again")
+            if spec == model.spec:
+                continue
+            if not needs_reload(model.spec, spec):
+                model.spec = spec
+                done.append(f"{model.key} updated in place")
+            elif model.state == "available":
+                model.spec = spec
+                model.estimate = None
+                model.measured = None
+                done.append(f"{model.key} is not loaded: its next load uses the new settings")
+            else:
+                done.append(f"{model.key} changed: it needs a reload")
+        return done
+
+    def replaced_files(self) -> list[str]:
+        """The loaded models whose file on disk is no longer the one they were loaded from (replaced in place:
+        the config did not change); a reload (SIGHUP) reloads them."""
+        replaced: list[str] = []
+        for name, model in self.models.items():
+            if model.runtime is not None and model.file is not None and file_identity(model.path) != model.file:
+                replaced.append(name)
+        return replaced
+
+    def models_to_reload(self) -> list[str]:
+        """The models whose loaded runtime no longer matches the config (a file or context setting changed):
+        what :meth:`reload_model` should be called for after :meth:`apply_config` (this includes a changed
+        model that came back after being retired, which a diff of the two configs calls added)."""
+        stale: list[str] = []
+        for name, model in self.models.items():
+            spec = self.config.model(name)
+            if spec is not None and model.state != "available" and needs_reload(model.spec, spec):
+                stale.append(name)
+        return stale
+
+    async def reload_model(self, name: str) -> str:
+        """Reload the model ``name`` with its spec in the current config (its file or context settings changed,
+        or its file was replaced). Not loaded: its next load uses the new spec. Loaded: estimate, trial-check and
+        admit the new figure under :func:`reload_key` while the old runtime serves, load, then swap in one engine
+        job (:meth:`_install`). Any failure leaves the old runtime serving and the ledger as it was, and raises
+        its :class:`ApplianceError`. Returns one line saying what happened."""
+        if self.closing:
+            raise ApplianceError("SHUTTING_DOWN")
+        spec = self.config.model(name)
+        if spec is None:
+            raise ApplianceError("UNKNOWN_MODEL", f"no model named {name!r}",
+                                 {"model": name, "known": [m.name for m in self.config.models]})
+        model = self.models.get(name)
+        if model is None:
+            return f"{name} is not loaded: its next load uses the new settings"
+        async with model.lock:
+            if model.runtime is None:
+                model.spec = spec
+                model.estimate = None
+                model.measured = None
+                return f"{name} is not loaded: its next load uses the new settings"
+            started = time.perf_counter()
+            try:
+                identity = await asyncio.to_thread(file_identity, spec.path)  # before the load: a later change shows
+                estimate = await asyncio.to_thread(self.estimate_spec, spec)
+                await asyncio.to_thread(self.engine.check, spec.path, n_ctx=spec.n_ctx,
+                                        n_gpu_layers=spec.n_gpu_layers)
+                with self.ledger.reservation(reload_key(name), estimate):
+                    kept, reset = await self._replace_runtime(model, spec, estimate)
+            except ApplianceError as exc:
+                self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
+                log_load_failure(name, exc)
+                log.warning("model %s not reloaded: the loaded one keeps serving", name)
+                raise
+        self.counters["reloads"] += 1
+        model.file = identity
+        model.last_used = self.clock()
+        log.info("model %s reloaded: estimate %d bytes, %.2f s, %d agents keep their tokens, %d reset", name,
+                 estimate, time.perf_counter() - started, kept, reset)
+        self._changed()
+        if reset:
+            return f"{name} reloaded with a different vocabulary ({reset} agents' conversations reset)"
+        return f"{name} reloaded ({kept} agents re-evaluate their tokens)"
+
+    async def _replace_runtime(self, model: Model, spec: ModelConfig, estimate: int) -> tuple[int, int]:
+        """Load ``spec`` next to the serving runtime, then install it; a new runtime that was not installed
+        (a failure, or the caller cancelled) is closed again. Returns :meth:`_install`'s counts."""
+        load = asyncio.ensure_future(self.engine.call(self._load_spare, spec))
+        try:
+            runtime, loaded_bytes = await finish(load)
+            install = asyncio.ensure_future(self.engine.call(self._install, model, spec, estimate, runtime,
+                                                             loaded_bytes))
+            return await finish(install)
+        finally:
+            spare = job_result(load)
+            if spare is not None and model.runtime is not spare[0]:
+                await finish(asyncio.ensure_future(self.engine.call(spare[0].close)))
+
+    def _load_spare(self, spec: ModelConfig) -> tuple[RuntimeProtocol, int]:
+        """Load ``spec`` while the model's old runtime still serves (engine thread); returns the runtime and the
+        process bytes the load added."""
+        before = process_bytes(self.device.read())
+        runtime = self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
+        return runtime, max(0, process_bytes(self.device.read()) - before)
+
+    def _install(self, model: Model, spec: ModelConfig, estimate: int, runtime: RuntimeProtocol,
+                 loaded_bytes: int) -> tuple[int, int]:
+        """Put ``runtime`` in place of ``model``'s (engine thread, one job, so no decode sees a half-done swap):
+        the model's ledger key takes the new estimate (then the temporary key goes: the bytes are never counted
+        for neither), the old runtime closes, and each agent on the model forgets its KV state; with a different
+        vocabulary its tokens go too and it gets a notice. Returns (agents that keep their tokens, agents reset)."""
+        old = model.runtime
+        if old is None:
+            raise ApplianceError("INTERNAL", f"model {model.key!r} was unloaded during its reload")
+        same_vocabulary = old.vocabulary() == runtime.vocabulary()
+        self.ledger.adjust(model.key, estimate)
+        self.ledger.release(reload_key(model.key))
+        try:
+            old.close()
+        except Exception:  # it is gone from the daemon either way, as in unload
+            log.exception("model %s: closing the replaced runtime failed", model.key)
+        model.runtime = runtime
+        model.spec = spec
+        model.estimate = estimate
+        model.measured = None
+        model.kv_bytes_per_token = 0
+        kept = 0
+        reset = 0
+        for agent in list(self.agents.copy().values()):
+            if agent.model is not model:
+                continue
+            conv = agent.conversation
+            forget_parked(conv)
+            if same_vocabulary:
+                kept += 1
+            else:
+                conv.tokens.clear()
+                agent.notice = vocabulary_notice(model.key)
+                reset += 1
+        try:  # the measured figure's baseline: as if only the new runtime had been loaded
+            model.baseline = process_bytes(self.device.read()) - loaded_bytes
+        except Exception:
+            log.warning("model %s: no device reading after its reload; its measured figure may be off", model.key)
+        return kept, reset
+
+    async def drain_retired(self) -> list[str]:
+        """Unload every retired model that nothing uses any more and forget it; returns their names."""
+        gone: list[str] = []
+        for model in [m for m in self.models.values() if m.retired]:
+            await self.unload(model, policy.unload_retired, reason="removed from the config")
+            if self._forget_retired(model):
+                gone.append(model.key)
+        return gone
+
+    def _forget_retired(self, model: Model) -> bool:
+        """Drop a retired model that is unloaded and unused from :attr:`models` (and so from STATUS)."""
+        unused = model.refcount == 0 and model.inflight == 0 and model.state == "available"
+        if not (model.retired and unused and self.models.get(model.key) is model):
+            return False
+        del self.models[model.key]
+        log.info("model %s forgotten: removed from the config and unused", model.key)
+        self._changed()
+        return True
+
+    def _settle_retired(self, model: Model) -> None:
+        """Unload ``model`` in the background if it is retired and unused (a caller on the loop cannot wait)."""
+        if not policy.unload_retired(model.view()):
+            return
+        task = asyncio.get_running_loop().create_task(self.drain_retired())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self) -> None:
+        """Wait for the background unloads of retired models (tests; shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     # -- device ----------------------------------------------------------------------------------
     def resync(self) -> DeviceReading:
         """Re-read the device and re-base the cap for memory other processes now use (L1)."""
@@ -541,12 +840,22 @@ class Daemon:
         self.ledger.set_cap(compute_cap(reading.total, self.config.admission_percent, self.external))
         return reading
 
+    @property
+    def generating(self) -> int:
+        """Generations on the engine now (queued or running): what a graceful stop waits for."""
+        return len(self._running)
+
+    def cancel_running(self) -> None:
+        """Stop every running generation at its next token (SHUTTING_DOWN for its client while ``closing``)."""
+        for cancel in list(self._running):
+            cancel.set()
+
     async def close(self) -> None:
         """Refuse new work, stop running generations at their next token, unload every model, then close the
         engine and the device."""
         self.closing = True
-        for cancel in list(self._running):
-            cancel.set()
+        self.cancel_running()
+        await self.settle()
         for model in list(self.models.values()):
             await self.unload(model, reason="shutdown")
         if self.agents:
@@ -560,7 +869,7 @@ class Daemon:
         reading, ledger = self.reading, self.ledger.snapshot()
         models = [{"name": m.key, "state": m.state, "loaded": m.runtime is not None, "refcount": m.refcount,
                    "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
-                   "n_ctx": m.spec.n_ctx, "path": str(m.path)} for m in self.models.values()]
+                   "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired} for m in self.models.values()]
         agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),
                    "state": a.conversation.where, "state_bytes": a.conversation.nbytes}
                   for a in self.agents.values()]
@@ -568,7 +877,8 @@ class Daemon:
                            "used_bytes": reading.used, "free_bytes": reading.free,
                            "external_bytes": self.external},
                 "ledger": {"cap_bytes": ledger.cap, "allocated_bytes": ledger.allocated,
-                           "admission_percent": self.config.admission_percent},
+                           "admission_percent": self.config.admission_percent,
+                           "over_cap": ledger.allocated > ledger.cap},
                 "host_kv": self.host_kv(),
                 "models": models, "agents": agents, "counters": dict(self.counters),
                 "extra": {name: report() for name, report in self.reports.items()}}

@@ -17,6 +17,7 @@ class ModelView:
     inflight: int
     last_used: float
     idle_ttl_s: float
+    retired: bool = False  # removed from the config (hot reload): it goes as soon as nothing uses it
 
 
 def expired(models: Iterable[ModelView], now: float) -> list[str]:
@@ -55,6 +56,11 @@ def sweep_period(ttls_s: Iterable[float]) -> float:
 def unload_on_release(model: ModelView) -> bool:
     """L4: the last UNREGISTER frees the model at once, unless an anonymous request is still running."""
     return model.loaded and model.refcount == 0 and model.inflight == 0
+
+
+def unload_retired(model: ModelView) -> bool:
+    """A retired model (removed from the config) unloads as soon as it has no agent and nothing in flight."""
+    return model.retired and model.refcount == 0 and model.inflight == 0
 
 
 def inside(path: PurePath, folders: Iterable[PurePath]) -> bool:

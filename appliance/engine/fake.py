@@ -47,6 +47,9 @@ BOS = 1
 EOS = 2
 LONGEST_PIECE = 4  # bytes: a fake token is one character
 
+FAKE_VOCABULARY = "fake-vocabulary"
+"""The vocabulary digest of a fake runtime unless :meth:`FakeEngine.set_vocabulary` says otherwise."""
+
 _POLL_S = 0.005  # how often a thread held at a gate looks at its ``cancelled`` callback
 
 
@@ -188,6 +191,12 @@ class FakeRuntime(LiveSlot):
         self.closed = False
         self.saves = 0
         self.restores = 0
+        self.vocabulary_digest = engine.vocabulary_of(path)
+
+    def vocabulary(self) -> str:
+        """The digest its engine's :meth:`FakeEngine.set_vocabulary` gave this file when it was loaded."""
+        self._check()
+        return self.vocabulary_digest
 
     def _check(self) -> None:
         if self.closed:
@@ -303,6 +312,8 @@ class FakeEngine:
     * ``gate``: passed before every generated token (open by default); ``load_gate`` before every load and
       ``close_gate`` before every runtime close, so a test can hold the daemon in ``loading`` or ``unloading``.
     * :meth:`fail_load`: loads of a model file fail with ``MODEL_LOAD_FAILED`` (or a given error).
+    * :meth:`set_vocabulary`: the vocabulary digest the runtimes of a model file report (default
+      :data:`FAKE_VOCABULARY`), read at load time: a test changes it to reload a model with another vocabulary.
     * ``eos_when``: a predicate on the conversation's tokens; when it is true the next token is ``EOS``.
     * Records: ``loads`` (every load attempt's path, in order), ``checks`` (every :meth:`check`'s path),
       ``runtimes`` (those that succeeded), ``tokens_generated``, ``closed``.
@@ -320,6 +331,7 @@ class FakeEngine:
         self.closed = False
         self.eos_when: Callable[[list[int]], bool] = lambda tokens: False
         self._failures: dict[str, BaseException | None] = {}
+        self._vocabularies: dict[str, str] = {}
         self._worker = FairWorker("fake-engine")
         self.worker_thread: threading.Thread | None = self._worker.thread
 
@@ -334,6 +346,16 @@ class FakeEngine:
             self._failures.clear()
         else:
             self._failures.pop(name, None)
+
+    def set_vocabulary(self, name: str, digest: str) -> None:
+        """Runtimes of ``name`` (a model file's path, file name or stem) loaded from now on report ``digest``."""
+        self._vocabularies[name] = digest
+
+    def vocabulary_of(self, path: Path) -> str:
+        for key in (str(path), path.name, path.stem):
+            if key in self._vocabularies:
+                return self._vocabularies[key]
+        return FAKE_VOCABULARY
 
     @property
     def live_runtimes(self) -> list[FakeRuntime]:
@@ -394,6 +416,9 @@ class GatedRuntime:
 
     def close(self) -> None:
         self.inner.close()
+
+    def vocabulary(self) -> str:
+        return self.inner.vocabulary()
 
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
                  on_token: Callable[[Token], None] | None = None,

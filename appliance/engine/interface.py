@@ -182,6 +182,11 @@ class RuntimeProtocol(Protocol):
         for each and asking ``cancelled`` before each (``stop_reason="cancelled"`` when it says so)."""
         ...
 
+    def vocabulary(self) -> str:
+        """A digest of the model's token list (every id's piece): two runtimes with the same digest read and
+        write the same token ids, so a conversation's tokens carry over from one to the other (hot reload)."""
+        ...
+
     def close(self) -> None:
         """Free the model and its context."""
         ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -60,6 +61,7 @@ class Runtime(LiveSlot):
         self.eos = self.llm.token_eos()
         self.live: Conversation | None = None
         self._pieces: dict[int, bytes] = {}
+        self._vocabulary: str | None = None
         self.longest_piece = self._longest_piece()
 
     def _longest_piece(self) -> int:
@@ -73,6 +75,18 @@ class Runtime(LiveSlot):
             n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
             longest = max(longest, abs(n))  # a negative n is the size a piece too long for buf needs
         return longest
+
+    def vocabulary(self) -> str:
+        """A SHA-256 of every token's text, in id order (cached): equal digests, interchangeable token ids."""
+        if self._vocabulary is None:
+            vocab = self.llm._model.vocab
+            digest = hashlib.sha256()
+            for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+                text = llama_cpp.llama_vocab_get_text(vocab, token) or b""
+                digest.update(len(text).to_bytes(4, "little"))
+                digest.update(text)
+            self._vocabulary = digest.hexdigest()
+        return self._vocabulary
 
     def close(self) -> None:
         self.live = None

@@ -268,10 +268,12 @@ def completion(task_id: str, result: DecodeResult) -> m.TaskComplete:
     timings = {"elapsed_ms": gen.elapsed_s * 1000}
     if gen.ttft_s is not None:
         timings["ttft_ms"] = gen.ttft_s * 1000
+    stats: dict[str, object] = {"model": result.model, "kv_swap_evicted": result.evicted,
+                                "kv_swap_restored": result.restored}
+    if result.notice is not None:  # once: its model was reloaded with another vocabulary
+        stats["notice"] = result.notice
     return m.TaskComplete(task_id, gen.text, m.Usage(gen.prompt_tokens, gen.generated_tokens),
-                          STOP_REASONS[gen.stop_reason], timings,
-                          stats={"model": result.model, "kv_swap_evicted": result.evicted,
-                                 "kv_swap_restored": result.restored})
+                          STOP_REASONS[gen.stop_reason], timings, stats=stats)
 
 
 async def serve_magn(daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

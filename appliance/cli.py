@@ -206,7 +206,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from appliance.config.validate import ConfigInvalid
 
     try:
-        appliance = Appliance.from_file(config_path(args), log_level=args.log_level)
+        appliance = Appliance.from_file(config_path(args), data_dir=args.data_dir, socket_path=args.socket,
+                                        log_level=args.log_level)
     except ConfigInvalid as exc:
         print(f"appliance: refusing to start, {len(exc.problems)} problem(s) in {config_path(args)}:",
               file=sys.stderr)
@@ -229,7 +230,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
     path = Path(args.file) if args.file else config_path(args)
     try:
-        config = load_config(path, check_files=lambda p: p.exists())
+        config = load_config(path, check_files=lambda p: p.exists(), data_dir=args.data_dir,
+                             socket_path=args.socket)
     except ConfigInvalid as exc:
         for problem in exc.problems:
             print(problem)
@@ -471,8 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
                                         "registry, else $RUNTIME_DIRECTORY/appliance.sock)")
         return p
 
+    def overrides(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--data-dir", type=Path, metavar="DIR",
+                       help="state folder, replacing the config's data_dir; its {data_dir}/... paths (models, "
+                            "model_dirs, socket) follow it (systemd: --data-dir ${STATE_DIRECTORY})")
+        p.add_argument("--socket", type=Path, metavar="PATH",
+                       help="Unix socket path, replacing the config's socket.path "
+                            "(systemd: --socket ${RUNTIME_DIRECTORY}/appliance.sock)")
+        return p
+
     run = command("run", cmd_run, "run the appliance in the foreground", epilog=exit_code_table())
     run.add_argument("--config", help=f"config file (default ./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
+    overrides(run)
 
     from appliance.config.schema import render_help
 
@@ -481,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = command("check", cmd_config_check, "validate a config file and print every problem", config_sub)
     check.add_argument("file", nargs="?")
+    overrides(check)
     command("docs", cmd_config_docs, "print every setting as a markdown table", config_sub)
 
     models = sub.add_parser("models", help="model files")

@@ -360,6 +360,11 @@ def _resolver(base: Path, data_dir: Path | None) -> Resolve:
     return resolve
 
 
+def _command_line_path(path: Path) -> Path:
+    """An override path from a command line: ``~`` expanded, absolute against the current folder, normalised."""
+    return Path(os.path.normpath(os.path.abspath(Path(path).expanduser())))
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str, resolve: Resolve, **extra: Any) -> Any:
     """``cls(**values)``, sub-sections built recursively and paths resolved; ``extra`` fields as given."""
     kwargs = dict(extra)
@@ -519,26 +524,36 @@ def parse_config(
     source: Path | None = None,
     base_dir: Path | None = None,
     check_files: bool | Callable[[Path], bool] = True,
+    data_dir: Path | None = None,
+    socket_path: Path | None = None,
 ) -> Config:
     """Validate ``text`` and return its :class:`Config`; raise :class:`ConfigInvalid` with all problems.
 
     Relative paths resolve against ``base_dir`` (default: ``source``'s folder, else the current folder).
     ``check_files``: True checks that model files exist (``Path.is_file``), a callable replaces that check,
     False skips it; a model with ``generate_if_missing`` is exempt.
+
+    ``data_dir`` and ``socket_path`` (``appliance run --data-dir/--socket``: systemd's state and runtime
+    folders) replace the file's ``data_dir`` and ``socket.path``; ``{data_dir}/…`` paths follow the given
+    ``data_dir``. They come from a command line, so a relative one resolves against the current folder.
     """
     file = DEFAULT_FILE if source is None else str(source)
     base = _base_folder(source, base_dir)
     root = _compose(text, file, source)
     validator = _Validator(file)
     values = validator.mapping(root, "", "")
+    if data_dir is not None:
+        values["data_dir"] = _command_line_path(data_dir)
+    if socket_path is not None and values["socket"] is not _BAD:
+        values["socket"]["path"] = _command_line_path(socket_path)
 
-    data_dir = None
+    state_dir = None
     if values["data_dir"] is not _BAD:
-        data_dir = _resolver(base, None)(values["data_dir"])
-        if data_dir is None:
+        state_dir = _resolver(base, None)(values["data_dir"])
+        if state_dir is None:
             validator.report("data_dir", validator.lines.get("data_dir"),
                              f"cannot be relative to {schema.DATA_DIR_PREFIX} itself")
-    resolve = _resolver(base, data_dir)
+    resolve = _resolver(base, state_dir)
 
     if callable(check_files):
         exists = check_files
@@ -554,8 +569,16 @@ def parse_config(
     return _build(Config, values, "", resolve, source=source, base_dir=base)
 
 
-def load_config(path: str | os.PathLike[str], *, check_files: bool | Callable[[Path], bool] = True) -> Config:
-    """Read and parse the file at ``path``; an unreadable file raises :class:`ConfigInvalid` too."""
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    check_files: bool | Callable[[Path], bool] = True,
+    data_dir: Path | None = None,
+    socket_path: Path | None = None,
+) -> Config:
+    """Read and parse the file at ``path``; an unreadable file raises :class:`ConfigInvalid` too.
+
+    ``data_dir`` and ``socket_path`` override the file's, as in :func:`parse_config`."""
     source = Path(path)
     try:
         with source.open("rb") as file:
@@ -565,7 +588,7 @@ def load_config(path: str | os.PathLike[str], *, check_files: bool | Callable[[P
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid([Problem("", None, f"cannot read the file: {exc}", str(source))], source) from None
-    return parse_config(text, source=source, check_files=check_files)
+    return parse_config(text, source=source, check_files=check_files, data_dir=data_dir, socket_path=socket_path)
 
 
 def default_config(base_dir: str | os.PathLike[str]) -> Config:

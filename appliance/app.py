@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from appliance import __version__
 from appliance.config.validate import Config, load_config
@@ -21,6 +26,9 @@ from appliance.engine.interface import EngineProtocol
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
+from appliance.supervisor.notify import Notifier, watchdog_period_s
+from appliance.supervisor.plan import ReloadPlan
+from appliance.supervisor.reloader import ApplyFailed, Reloader
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +163,9 @@ EngineFactory = Callable[[Config], EngineProtocol]
 """Builds the daemon's engine from the config at :meth:`Appliance.start` (tests: a fake or gated engine)."""
 
 IDLE_RESYNC_CHECK_S = 1.0  # how often a switched-off resync looks whether the config switched it on
+DRAIN_POLL_S = 0.05  # how often a graceful stop looks whether the running requests have ended
+DUMP_INTERVAL_S = 1.0
+"""At most one SIGUSR1 state dump per this many seconds."""
 
 
 def sweep_period(config: Config) -> float:
@@ -167,43 +178,63 @@ class Appliance:
     """The running appliance: what ``appliance run`` builds from a config.
 
     It owns: the :class:`Daemon` (built in :meth:`start`, with its engine and device), the socket server, the HTTP
-    server, the background tasks (idle sweep, device resync, HTTP), the registry file, and the stop signal.
-    ``config`` is the current configuration; the background loops read it on every iteration (periods, TTLs), so
-    replacing it takes effect without restarting them.
+    server, the background tasks (idle sweep, device resync, HTTP, watchdog, config reloader), the registry file,
+    the systemd :class:`Notifier`, and the stop signal. ``config`` is the current configuration; the background
+    loops read it on every iteration (periods, TTLs), so replacing it takes effect without restarting them.
+
+    It is the reloader's :class:`~appliance.supervisor.reloader.Applier`: :meth:`apply` carries out a reload plan.
     """
 
     def __init__(self, config: Config, *, device: MemoryDevice | None = None, http: bool = True,
-                 engine_factory: EngineFactory | None = None, log_level: str | None = None) -> None:
-        """``log_level``: a level that overrides the config's ``log_level`` (the CLI's explicit ``--log-level``)."""
+                 engine_factory: EngineFactory | None = None, log_level: str | None = None,
+                 config_path: Path | None = None, notifier: Notifier | None = None) -> None:
+        """``log_level``: a level that overrides the config's ``log_level`` (the CLI's explicit ``--log-level``).
+        ``config_path``: the file to watch and re-read (hot reload); None runs ``config`` as it is."""
         self.config = config
         self.log_level_override = log_level
         self.version = __version__
+        self.config_path = config_path
+        self.overrides: dict[str, Path | None] = {"data_dir": None, "socket_path": None}
+        self.config_sha256 = file_sha256(config_path)
+        self.started_at = time.time()
+        self.notifier = notifier or Notifier()
+        self.reloader: Reloader | None = None
         self._device = device
         self._engine_factory = engine_factory
         self._http_enabled = http
         self.daemon: Daemon | None = None
         self.socket_server: SocketServer | None = None
         self.http_server: HttpServer | None = None
+        self._retired_sockets: list[SocketServer] = []  # rebound away from: their connections finish on them
+        self._http_tasks: dict[HttpServer, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._stopped = False
         self._locks: list[InstanceLock] = []
+        self._socket_lock: InstanceLock | None = None
         self._wrote_registry = False  # only a registry this instance wrote is removed at stop
         self.stop_reason = "stop requested"
+        self._last_dump = -DUMP_INTERVAL_S
+        self._dump_pending = False
 
     @classmethod
-    def from_file(cls, path: Path, **kwargs: object) -> Appliance:
-        config = load_config(path)  # a missing model file is fine when the config says how to generate it
-        ensure_demo_models(config)
-        return cls(config, **kwargs)  # type: ignore[arg-type]
+    def from_file(cls, path: Path, *, data_dir: Path | None = None, socket_path: Path | None = None,
+                  **kwargs: Any) -> Appliance:
+        """The appliance of the config file at ``path``, watched for hot reload; ``data_dir`` and ``socket_path``
+        override the file's (``appliance run --data-dir/--socket``: systemd's state and runtime folders), on every
+        reload too."""
+        config = load_config(path, data_dir=data_dir, socket_path=socket_path)
+        ensure_demo_models(config)  # a missing model file is fine when the config says how to generate it
+        appliance = cls(config, config_path=Path(path), **kwargs)
+        appliance.overrides = {"data_dir": data_dir, "socket_path": socket_path}
+        return appliance
 
     @property
     def http_url(self) -> str | None:
         return self.http_server.url if self.http_server else None
 
     def apply_log_level(self) -> None:
-        """Set the appliance loggers' level from the current config (or the override); called at start and by
-        whoever replaces ``config`` (reload)."""
+        """Set the appliance loggers' level from the current config (or the override); at start and reload."""
         level = (self.log_level_override or self.config.log_level).upper()
         logging.getLogger(LOG_LEVEL_LOGGER).setLevel(level)
 
@@ -227,9 +258,9 @@ class Appliance:
             raise StartupError(message, kind="device") from None
 
     async def start(self) -> None:
-        """Take the instance locks, then open the device, bind HTTP and the socket, write the registry. A failure
-        undoes what this instance made (never anything else) and raises, a :class:`StartupError` for the
-        operator's problems."""
+        """Take the instance locks, then open the device, bind HTTP and the socket, write the registry, and tell
+        systemd READY=1. A failure undoes what this instance made (never anything else) and raises, a
+        :class:`StartupError` for the operator's problems."""
         try:
             await self._start()
         except StartupError as exc:
@@ -240,6 +271,7 @@ class Appliance:
             self.stop_reason = f"start-up failed: {type(exc).__name__}"
             await self.stop()
             raise
+        self.notifier.ready(self.ready_status())
 
     async def _start(self) -> None:
         config = self.config
@@ -249,6 +281,8 @@ class Appliance:
         engine = self._engine_factory(config) if self._engine_factory is not None else None
         self.daemon = Daemon(config, device, engine)
         self.daemon.on_change = self.write_registry
+        self.daemon.reports["config"] = self.config_report
+        self.daemon.reports["reload"] = self.reload_history
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
@@ -258,21 +292,63 @@ class Appliance:
         except OSError as exc:
             raise StartupError(f"cannot listen on {config.socket.path}: {_reason(exc)}",
                                path=str(config.socket.path), kind="filesystem") from None
+        self.socket_server.other_connections.append(self._http_connections)
+        self.socket_server.other_connections.append(self._retired_socket_connections)
         self.daemon.reports["socket"] = self.socket_server.report
         if self.http_server is not None:
-            self._tasks.append(asyncio.create_task(self.http_server.run_forever(), name="http"))
-            while not self.http_server.started:
-                await asyncio.sleep(0.01)
+            await self._serve_http(self.http_server)
         self._tasks.append(asyncio.create_task(self._sweep(), name="idle-sweep"))
         self._tasks.append(asyncio.create_task(self._resync(), name="resync"))
+        period = watchdog_period_s()
+        if period is not None and self.notifier.enabled:
+            self._tasks.append(asyncio.create_task(self._watchdog(period), name="watchdog"))
+        if self.config_path is not None:
+            self.reloader = Reloader(self.config_path, self, self.notifier, loader=self._load)
+            self._tasks.append(asyncio.create_task(self.reloader.run(), name="reloader"))
         self.write_registry()
-        log.info("appliance %s started (pid %d): socket %s, http %s, device %s, state %s", self.version, os.getpid(),
-                 config.socket.path, self.http_url, self.daemon.reading.name, config.data_dir)
+        log.info("appliance %s started (pid %d): socket %s, http %s, device %s, state %s, config %s", self.version,
+                 os.getpid(), config.socket.path, self.http_url, self.daemon.reading.name, config.data_dir,
+                 self.config_path or "(not watched)")
+
+    async def _serve_http(self, server: HttpServer) -> None:
+        """Run ``server`` in a task and wait until it accepts."""
+        self._http_tasks[server] = asyncio.create_task(server.run_forever(), name="http")
+        while not server.started:
+            if self._http_tasks[server].done():
+                await self._http_tasks[server]  # it failed: raise its exception
+                raise StartupError(f"the HTTP server on {server.url} stopped at start-up")
+            await asyncio.sleep(0.01)
+
+    def _http_connections(self) -> int:
+        """Open HTTP connections of every HTTP server (a rebound one's too), counted against max_connections."""
+        return sum(server.open_connections() for server in self._http_tasks)
+
+    def _retired_socket_connections(self) -> int:
+        """Connections still open on sockets a reload moved away from."""
+        return sum(server.open_connections() for server in self._retired_sockets)
+
+    def open_connections(self) -> int:
+        """Open connections of every surface and every listener (rebound ones' too): what max_connections caps."""
+        sockets = self._retired_sockets + ([self.socket_server] if self.socket_server is not None else [])
+        return sum(server.open_connections() for server in sockets) + self._http_connections()
 
     def write_registry(self) -> None:
         assert self.daemon is not None
         registry.write(self.config.data_dir, registry.document(self.config, self.daemon, self.http_url))
         self._wrote_registry = True
+
+    def ready_status(self) -> str:
+        """One line for systemd's STATUS= (``systemctl status``)."""
+        if self.daemon is None:
+            return "starting"
+        snapshot = self.daemon.snapshot()
+        loaded = sum(1 for model in snapshot["models"] if model["loaded"])
+        ledger = snapshot["ledger"]
+        text = (f"{loaded} model(s) loaded, {len(snapshot['agents'])} agent(s), ledger "
+                f"{ledger['allocated_bytes']} of {ledger['cap_bytes']} bytes")
+        if self.reloader is not None and self.reloader.degraded:
+            text += f"; appliance.yaml invalid: {self.reloader.problems[0]}"
+        return text
 
     async def _sweep(self) -> None:
         """Unload idle models (L7); the period follows the current config's shortest TTL."""
@@ -300,6 +376,175 @@ class Appliance:
             except Exception:
                 log.exception("device resync failed")
 
+    async def _watchdog(self, period_s: float) -> None:
+        """WATCHDOG=1 every ``period_s`` from the event loop itself: a blocked loop misses its pings and systemd
+        restarts the service."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(period_s)
+
+    # -- hot reload (SPEC C3) ----------------------------------------------------------------------------
+    def _load(self, path: Path) -> Config:
+        """Read and validate the config file with this instance's overrides (the reloader's loader; a thread)."""
+        config = load_config(path, data_dir=self.overrides["data_dir"], socket_path=self.overrides["socket_path"])
+        self._loaded_sha256 = file_sha256(path)
+        return config
+
+    def config_report(self) -> dict[str, Any]:
+        """The config's status for STATUS and health: ``ok`` or ``invalid`` (the file on disk; the appliance then
+        runs the last valid one) with the first problem, and the last reload."""
+        report: dict[str, Any] = {"file": str(self.config_path) if self.config_path else None,
+                                  "sha256": self.config_sha256, "status": "ok"}
+        reloader = self.reloader
+        if reloader is None:
+            return report
+        if reloader.degraded:
+            first = reloader.problems[0]
+            report.update(status="invalid", problems=len(reloader.problems), reason=first.message, path=first.path,
+                          line=first.line)
+        report["reloads"] = len(reloader.history)
+        last = reloader.history.last
+        if last is not None:
+            report.update(last_reload=last.result, last_trigger=last.trigger, last_at=last.at)
+        return report
+
+    def replaced_files(self) -> tuple[str, ...]:
+        return () if self.daemon is None else tuple(self.daemon.replaced_files())
+
+    def reload_history(self) -> list[dict[str, Any]]:
+        return [] if self.reloader is None else self.reloader.history.to_list()
+
+    async def apply(self, new: Config, plan: ReloadPlan) -> str:
+        """Carry out a reload ``plan`` towards ``new`` (the :class:`~appliance.supervisor.reloader.Applier` side).
+
+        Order: write missing demo models of added models; swap the config (the daemon's too; the settings that need
+        a restart keep their running values); reload changed models one by one (a failure keeps that model's old
+        weights serving); rebind the socket and HTTP (new listener first). Returns what was done; raises
+        :class:`ApplyFailed` with what was done when a step failed.
+        """
+        assert self.daemon is not None
+        old = self.config
+        done: list[str] = []
+        errors: list[str] = []
+        if plan.add_models:
+            await asyncio.to_thread(ensure_demo_models, new)
+        effective = keep_restart_settings(new, old)
+        self.config = effective
+        self.config_sha256 = getattr(self, "_loaded_sha256", self.config_sha256)
+        done.extend(self.daemon.apply_config(effective))
+        self.apply_log_level()
+        if plan.add_models:
+            done.append(f"added {', '.join(plan.add_models)}")
+        if plan.live_settings:
+            done.append(f"settings {', '.join(plan.live_settings)}")
+        stale = [name for name in self.daemon.models_to_reload() if name not in plan.reload_models]
+        stale += [name for name in plan.replaced_files if name not in plan.reload_models and name not in stale]
+        for name in plan.reload_models + tuple(stale):  # stale: changed while retired, then put back
+            try:
+                done.append(await self.daemon.reload_model(name))
+            except ApplianceError as exc:
+                errors.append(f"model {name} keeps its old weights: {exc.code}: {exc.message}")
+        if plan.rebind_socket:
+            try:
+                done.append(await self._rebind_socket(old))
+            except (StartupError, OSError) as exc:
+                errors.append(f"socket stays at {old.socket.path}: {_message(exc)}")
+                self.config = dataclasses.replace(self.config, socket=old.socket)
+                self.daemon.config = self.config
+        if plan.rebind_http:
+            try:
+                done.append(await self._rebind_http())
+            except (StartupError, OSError) as exc:
+                where = self.http_url or "(none)"
+                errors.append(f"HTTP stays at {where}: {_message(exc)}")
+                self.config = dataclasses.replace(self.config, http=dataclasses.replace(
+                    self.config.http, host=old.http.host, port=old.http.port))
+                self.daemon.config = self.config
+        if plan.restart_needed:
+            done.append(f"restart needed for {', '.join(plan.restart_needed)} (running values kept)")
+        self.write_registry()
+        applied = "; ".join(done) or "no changes"
+        if errors:
+            raise ApplyFailed("; ".join(errors), applied)
+        return applied
+
+    async def _rebind_socket(self, old: Config) -> str:
+        """Move the socket to the current config's path, mode and group: the new listener first, then the old one
+        stops accepting (its connections finish on it). A mode or group change alone is applied to the file."""
+        assert self.daemon is not None and self.socket_server is not None
+        wanted = self.config.socket
+        current = self.socket_server
+        if wanted.path == current.path:
+            current.set_permissions(wanted.mode, wanted.group)
+            return f"socket {wanted.path} mode {wanted.mode:o}"
+        check_socket_path(wanted.path)
+        lock = InstanceLock(wanted.path.with_name(wanted.path.name + LOCK_SUFFIX))
+        lock.acquire()
+        server = SocketServer(self.daemon, wanted.path, mode=wanted.mode, group=wanted.group)
+        try:
+            await server.start()
+        except BaseException:
+            lock.release()
+            raise
+        server.other_connections.append(self._http_connections)
+        server.other_connections.append(self._retired_socket_connections)
+        current.stop_accepting()
+        self._retired_sockets.append(current)
+        self.socket_server = server
+        self.daemon.reports["socket"] = server.report
+        old_lock = self._socket_lock_for(old.socket.path)
+        if old_lock is not None:
+            old_lock.release()
+            self._locks.remove(old_lock)
+        self._locks.append(lock)
+        return f"socket moved from {old.socket.path} to {wanted.path}"
+
+    def _socket_lock_for(self, path: Path) -> InstanceLock | None:
+        wanted = path.with_name(path.name + LOCK_SUFFIX)
+        for lock in self._locks:
+            if lock.path == wanted:
+                return lock
+        return None
+
+    async def _rebind_http(self) -> str:
+        """Serve HTTP at the current config's host and port: bind the new server first, then the old one stops
+        accepting and finishes the requests in flight."""
+        http = self.config.http
+        previous = self.http_server
+        server = HttpServer(create_app(self), http.host, http.port)
+        await self._serve_http(server)
+        self.http_server = server
+        if previous is not None:
+            previous.config.timeout_graceful_shutdown = None  # in-flight requests finish, however long
+            previous.should_exit = True
+            self._tasks.append(asyncio.create_task(self._forget_http(previous), name="http-retire"))
+        return f"HTTP moved to {server.url}"
+
+    async def _forget_http(self, server: HttpServer) -> None:
+        task = self._http_tasks.get(server)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+            self._http_tasks.pop(server, None)
+
+    # -- signals and state ---------------------------------------------------------------------------
+    def state_document(self) -> dict[str, Any]:
+        """The whole internal state as one JSON-able document (SIGUSR1)."""
+        snapshot = self.daemon.snapshot() if self.daemon is not None else {}
+        return {"version": self.version, "pid": os.getpid(), "started_at": self.started_at,
+                "config": {**self.config_report(), "data_dir": str(self.config.data_dir),
+                           "socket": str(self.config.socket.path), "http": self.http_url},
+                "daemon": snapshot,
+                "generating": self.daemon.generating if self.daemon is not None else 0,
+                "connections": {"all": self.open_connections(), "http": self._http_connections()},
+                "reloads": self.reload_history()}
+
+    def dump_state(self) -> str:
+        """Log the state document as one line of JSON; returns it."""
+        text = json.dumps(self.state_document(), sort_keys=True, default=str)
+        log.warning("state: %s", text)
+        return text
+
     def request_stop(self, reason: str = "stop requested") -> None:
         if not self._stop.is_set():
             self.stop_reason = reason
@@ -308,19 +553,41 @@ class Appliance:
     def _on_stop_signal(self, sig: signal.Signals) -> None:
         self.request_stop(f"signal {sig.name}")
 
-    def _on_later_signal(self, sig: signal.Signals) -> None:
-        """SIGHUP (reload) and SIGUSR1 (state dump) get their work with the supervisor; until then they are
-        logged and never kill the process."""
-        log.warning("received %s: not acted on yet (this version has no %s); still running", sig.name,
-                    "hot reload" if sig == signal.SIGHUP else "state dump")
+    def _on_reload_signal(self) -> None:
+        if self.reloader is None:
+            log.warning("received SIGHUP: no config file to re-read (this appliance runs a config given in code)")
+            return
+        log.info("received SIGHUP: re-reading %s", self.config_path)
+        self.reloader.request("SIGHUP")
+
+    def _on_dump_signal(self) -> None:
+        """SIGUSR1: dump now, or once :data:`DUMP_INTERVAL_S` after the last dump (a storm of signals is one
+        dump a second, never a flood of log lines that could block on a slow log reader)."""
+        if self._dump_pending:
+            return
+        wait = self._last_dump + DUMP_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._dump()
+            return
+        self._dump_pending = True
+        asyncio.get_running_loop().call_later(wait, self._dump)
+
+    def _dump(self) -> None:
+        self._dump_pending = False
+        self._last_dump = time.monotonic()
+        try:
+            self.dump_state()
+        except Exception:
+            log.exception("state dump failed")
 
     async def run(self) -> None:
-        """Start, serve until SIGTERM/SIGINT, then stop gracefully. SIGHUP and SIGUSR1 are logged, not fatal."""
+        """Start, serve until SIGTERM/SIGINT, then stop gracefully. SIGHUP reloads the config, SIGUSR1 logs the
+        state."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
-        for sig in (signal.SIGHUP, signal.SIGUSR1):
-            loop.add_signal_handler(sig, self._on_later_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        loop.add_signal_handler(signal.SIGUSR1, self._on_dump_signal)
         try:
             await self.start()
             await self._stop.wait()
@@ -328,27 +595,40 @@ class Appliance:
             await self.stop()
 
     async def stop(self) -> None:
-        """Stop accepting, end running tasks with SHUTTING_DOWN, free models, remove the socket and registry
-        this instance made (never another's), release the locks (their files stay). Safe to call more than once."""
+        """Graceful stop (S2): tell systemd STOPPING=1, stop accepting, give running requests ``shutdown_grace_s``
+        to finish, end the rest with SHUTTING_DOWN, free models, remove the socket and registry this instance made
+        (never another's), release the locks (their files stay). Safe to call more than once."""
         if self._stopped:
             return
         self._stopped = True
         log.info("appliance stopping (%s)", self.stop_reason)
+        self.notifier.stopping(f"stopping: {self.stop_reason}")
+        if self.reloader is not None:
+            self.reloader.stop.set()
         if self.daemon is not None:
-            self.daemon.closing = True
-        if self.socket_server is not None:
-            await self.socket_server.close()
-        if self.http_server is not None:
-            self.http_server.should_exit = True
-            if not any(task.get_name() == "http" for task in self._tasks):  # bound, never served
-                self.http_server.socket.close()
-        for task in self._tasks:
-            if task.get_name() != "http":
+            self.daemon.closing = True  # new requests get SHUTTING_DOWN; running ones go on for the grace period
+        servers = self._retired_sockets + ([self.socket_server] if self.socket_server is not None else [])
+        for server in servers:
+            server.stop_accepting()
+        if self.daemon is not None:
+            await self._drain(self.daemon, self.config.shutdown_grace_s)
+            self.daemon.cancel_running()
+        for server in servers:
+            await server.close()
+        if self.http_server is not None and self.http_server not in self._http_tasks:  # bound, never served
+            self.http_server.socket.close()
+        for http_server, task in list(self._http_tasks.items()):
+            http_server.should_exit = True
+            if not http_server.started:  # bound, never served
+                http_server.socket.close()
                 task.cancel()
         for task in self._tasks:
+            task.cancel()
+        for task in self._tasks + list(self._http_tasks.values()):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 5)
         self._tasks.clear()
+        self._http_tasks.clear()
         if self.daemon is not None:
             await self.daemon.close()
         if self._wrote_registry:
@@ -358,3 +638,42 @@ class Appliance:
             lock.release()
         self._locks.clear()
         log.info("appliance stopped (%s)", self.stop_reason)
+
+    @staticmethod
+    async def _drain(daemon: Daemon, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the generations in flight to end by themselves."""
+        deadline = time.monotonic() + grace_s
+        if daemon.generating:
+            log.info("waiting up to %g s for %d running request(s)", grace_s, daemon.generating)
+        while daemon.generating and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if daemon.generating:
+            log.warning("%d request(s) still running after %g s: ending them with SHUTTING_DOWN", daemon.generating,
+                        grace_s)
+
+
+
+
+def keep_restart_settings(new: Config, old: Config) -> Config:
+    """``new`` with the running values of the settings a reload cannot change (``data_dir``, ``device``,
+    ``engine.threads``): they wait for a restart."""
+    engine = dataclasses.replace(new.engine, threads=old.engine.threads)
+    return dataclasses.replace(new, data_dir=old.data_dir, device=old.device, engine=engine)
+
+
+def file_sha256(path: Path | None) -> str | None:
+    """The SHA-256 of a config file's bytes (the state dump's config identity), None without a readable file."""
+    if path is None:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, StartupError):
+        return exc.message
+    if isinstance(exc, OSError):
+        return _reason(exc)
+    return str(exc)

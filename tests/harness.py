@@ -8,6 +8,7 @@ whose delay is 0, so it behaves like production until a test slows or holds its 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import tempfile
@@ -26,6 +27,7 @@ from appliance.engine.fake import GatedEngine
 from appliance.protocol import messages as m
 from appliance.protocol.events import NEED_DATA
 from appliance.protocol.frames import FrameParser, encode_frame
+from appliance.supervisor.notify import Notifier
 
 
 def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: list[Path],
@@ -37,6 +39,7 @@ def config_text(models: dict[str, dict[str, Any]], *, state: Path, model_dirs: l
         "socket": {"path": str(state / "a.sock")},
         "http": {"host": "127.0.0.1", "port": 0},
         "resync_interval_s": 0,
+        "shutdown_grace_s": 1,  # a test's teardown waits at most this for generations it left running
         "models": [{"name": name, **spec} for name, spec in models.items()],
     }
     for key, value in extra.items():  # a section given as a dict is merged into the one above (socket.path stays)
@@ -78,17 +81,41 @@ class Running:
     def line(self, text: str, timeout: float = 120) -> str:
         return lineclient.request(self.socket, text, timeout)
 
+    @property
+    def config_file(self) -> Path:
+        """The watched config file (``running(watch=True)``)."""
+        assert self.appliance.config_path is not None, "running(watch=True) writes and watches a config file"
+        return self.appliance.config_path
+
+    def edit(self, text: str) -> None:
+        """Replace the watched config file the way editors save: write a sibling, then rename it over."""
+        temporary = self.config_file.with_name(".appliance.yaml.new")
+        temporary.write_text(text)
+        os.replace(temporary, self.config_file)
+
+    def reload(self, trigger: str = "api", timeout: float = 60) -> Any:
+        """Run one reload now and return its record (:class:`~appliance.supervisor.record.Reload`)."""
+        reloader = self.appliance.reloader
+        assert reloader is not None, "running(watch=True) has a reloader"
+        return self.call(reloader.reload(trigger), timeout)
+
 
 @contextmanager
 def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: bool = True,
-            engine_factory: EngineFactory = gated_real_engine, **extra: Any) -> Iterator[Running]:
+            engine_factory: EngineFactory = gated_real_engine, watch: bool = False,
+            notifier: Notifier | None = None, **extra: Any) -> Iterator[Running]:
     """A real appliance on a short temporary socket path (AF_UNIX paths are limited to 108 bytes); ``extra``
-    are more config settings."""
+    are more config settings. ``watch``: the config is written to ``<state>/appliance.yaml`` and hot-reloaded
+    from there (:meth:`Running.edit`)."""
     state = Path(tempfile.mkdtemp(prefix="ap-"))
     try:
         text = config_text(models, state=state, model_dirs=model_dirs, **extra)
-        config = parse_config(text, source=state / "appliance.yaml", base_dir=state)
-        appliance = Appliance(config, http=http, engine_factory=engine_factory)
+        source = state / "appliance.yaml"
+        config = parse_config(text, source=source, base_dir=state)
+        if watch:
+            source.write_text(text)
+        appliance = Appliance(config, http=http, engine_factory=engine_factory,
+                              config_path=source if watch else None, notifier=notifier)
         loop = asyncio.new_event_loop()
         started = threading.Event()
         failure: list[BaseException] = []

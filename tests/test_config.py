@@ -470,12 +470,12 @@ def test_diff_model_changed_needs_reload_only_for_non_live_keys():
 
 def test_diff_engine_knob_and_settings_changed():
     new = BASE.replace("admission_percent: 90", "admission_percent: 80\nengine: {warmup_runs: 3}\n"
-                       "http: {port: 9090}")
+                       "http: {port: 9090}\ndevice: host")
     d = diff(parse(BASE), parse(new))
-    assert d.changed_settings == ("admission_percent", "http.port", "engine.warmup_runs")
-    assert d.restart_settings == ("http.port",)
+    assert d.changed_settings == ("device", "admission_percent", "http.port", "engine.warmup_runs")
+    assert d.restart_settings == ("device",)  # http.port is rebound by a reload
     assert d.changed_models == () and not d.empty
-    assert "changed settings: admission_percent, http.port, engine.warmup_runs" in str(d)
+    assert "changed settings: device, admission_percent, http.port, engine.warmup_runs" in str(d)
 
 
 def test_diff_ignores_where_the_file_was_read_from():

@@ -20,15 +20,6 @@ from appliance.engine.runtime import Sampling
 GiB = 1024**3
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path, tiny_model: Path, tiny_model_b: Path) -> Path:
-    folder = tmp_path / "models"
-    folder.mkdir()
-    shutil.copy(tiny_model, folder / "tiny.gguf")
-    shutil.copy(tiny_model_b, folder / "tiny_b.gguf")
-    return folder
-
-
 def fields(reply: str) -> dict[str, str]:
     return lineclient.header_fields(reply)
 

@@ -244,7 +244,8 @@ def test_debug_logging_shows_each_frame_header_and_payload(model_dir: Path, capl
 
 
 def test_stopping_ends_running_tasks_with_shutting_down(model_dir: Path) -> None:
-    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
+                 shutdown_grace_s=0.5) as app:
         app.engine.delay_s = 0.05
         peer = RawPeer(app.socket)
         peer.send({"type": "INFER_REQUEST", "task_id": "long", "model": "tiny", "prompt": "Hi",
@@ -257,7 +258,7 @@ def test_stopping_ends_running_tasks_with_shutting_down(model_dir: Path) -> None
         time.sleep(0.3)
         start = time.monotonic()
         app.call(app.appliance.stop())
-        assert time.monotonic() - start < 5  # not the 20 s the requests would take
+        assert time.monotonic() - start < 5  # the 0.5 s grace, not the 20 s the requests would take
         end = peer.read_until_end("long")[-1]
         assert isinstance(end, m.ErrorMessage) and end.error.code == "SHUTTING_DOWN"
         assert line.recv(4096).startswith(b"ERR SHUTTING_DOWN")

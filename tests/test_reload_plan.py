@@ -46,6 +46,9 @@ CASES = [
      ReloadPlan(live_settings=("socket.idle_timeout_s",))),
     ("http port", BASE + "http: {port: 9000}\n", ReloadPlan(rebind_http=True)),
     ("device", edited("fake:8GiB", "fake:4GiB"), ReloadPlan(restart_needed=("device",))),
+    ("engine threads", BASE + "engine: {threads: 2}\n", ReloadPlan(restart_needed=("engine.threads",))),
+    ("engine knobs", BASE + "engine: {hot_pool_slack: 1.5}\n", ReloadPlan(live_settings=("engine.hot_pool_slack",))),
+    ("socket mode", BASE + "socket: {mode: '0600'}\n", ReloadPlan(rebind_socket=True)),
     # paths spelled relative to the data_dir follow it: the default model_dirs and socket path move too
     ("data_dir and a model", edited("/tmp/ap-plan", "/tmp/ap-plan2") + "  - {name: c, path: /m/c.gguf}\n",
      ReloadPlan(add_models=("c",), live_settings=("model_dirs",), rebind_socket=True, restart_needed=("data_dir",))),
@@ -55,6 +58,16 @@ CASES = [
 @pytest.mark.parametrize(("name", "new", "expected"), CASES, ids=[case[0] for case in CASES])
 def test_plan_table(name, new, expected):
     assert plan(diff(config(BASE), config(new))) == expected
+
+
+def test_a_replaced_model_file_is_reloaded_unless_its_model_is_removed_or_already_reloading():
+    replaced = plan(diff(config(BASE), config(BASE)), ("a", "b"))
+    assert replaced == ReloadPlan(replaced_files=("a", "b")) and not replaced.empty
+    assert "reloading replaced files of a, b" in replaced.summary()
+    moved = plan(diff(config(BASE), config(edited("/m/a.gguf", "/m/a2.gguf"))), ("a", "b"))
+    assert moved.reload_models == ("a",) and moved.replaced_files == ("b",)
+    removed = edited("  - {name: b, path: /m/b.gguf, n_ctx: 512, idle_ttl_s: 60}\n", "")
+    assert plan(diff(config(BASE), config(removed)), ("b",)).replaced_files == ()
 
 
 def test_plan_summary_says_what_waits_for_a_restart():

@@ -26,6 +26,7 @@ class FakeApplier:
         self.applied: list[ReloadPlan] = []
         self.fail = False
         self.gate: asyncio.Event | None = None
+        self.replaced: tuple[str, ...] = ()
 
     async def apply(self, new, plan: ReloadPlan) -> str:
         if self.gate is not None:
@@ -38,6 +39,10 @@ class FakeApplier:
 
     def ready_status(self) -> str:
         return f"{len(self.config.models)} model(s)"
+
+    def replaced_files(self) -> tuple[str, ...]:
+        return self.replaced
+
 
 
 def no_files(path: Path):

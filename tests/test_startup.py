@@ -3,6 +3,7 @@ for each start-up failure, signals that do not kill, a stop that removes only it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,11 +19,13 @@ from typing import Any
 
 import pytest
 import yaml
+from harness import RawPeer
 
 from appliance.app import Appliance, lock_paths
 from appliance.client import lines as lineclient
 from appliance.config.validate import parse_config
 from appliance.errors import STARTUP_EXIT_CODES
+from appliance.protocol import messages as m
 
 ROOT = Path(__file__).resolve().parents[1]
 UP_S = 90  # a slow, busy 2-core machine: import, demo model, bind
@@ -134,7 +137,14 @@ def test_sighup_and_sigusr1_do_not_kill_and_sigterm_removes_only_its_own_files(s
     finally:
         output = stop(first)
     assert first.returncode == 0, output
-    assert "received SIGHUP: not acted on yet" in output and "received SIGUSR1: not acted on yet" in output
+    assert output.count("received SIGHUP: re-reading") == 2
+    assert "reload (SIGHUP) unchanged" in output
+    dumps = [line.split("state: ", 1)[1] for line in output.splitlines() if " state: {" in line]
+    assert len(dumps) == 1
+    state_doc = json.loads(dumps[0])
+    assert state_doc["pid"] == first.pid and state_doc["config"]["status"] == "ok"
+    assert state_doc["config"]["sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    assert {"ledger", "models", "agents", "host_kv"} <= set(state_doc["daemon"])
     assert "appliance stopped (signal SIGTERM)" in output
     assert not (state / "appliance.sock").exists() and not (state / "registry.json").exists()
     assert keep.read_text() == "the operator's\n" and config.exists()
@@ -299,3 +309,29 @@ def test_log_level_of_the_yaml_applies_to_run(state: Path, tiny_model: Path):
     config = write_config(state, tiny_model, device="nvml:97", log_level="warning")
     assert "appliance stopped" not in run_once(config).stderr
     assert "appliance stopped" in run_once(config, "--log-level", "info").stderr
+
+
+@pytest.mark.parametrize("grace_s", [30, 0])
+def test_sigterm_during_a_stream_ends_it_cleanly_and_exits_0(state: Path, tiny_model: Path, grace_s: float):
+    """A real SIGTERM while a MAGN stream runs: the client gets its completion (within the grace period) or a
+    SHUTTING_DOWN error, never a dropped connection; then the socket file is gone and the exit code is 0."""
+    config = write_config(state, tiny_model, shutdown_grace_s=grace_s,
+                          models=[{"name": "demo", "path": str(tiny_model), "n_ctx": 4096}])
+    proc = start(config)
+    try:
+        peer = RawPeer(state / "appliance.sock", timeout=60)
+        peer.send({"type": "INFER_REQUEST", "task_id": "t", "model": "demo", "prompt": "Hello",
+                   "max_tokens": 4000, "temperature": 0, "stream": True})
+        assert isinstance(peer.read_token(), m.StreamToken)
+        proc.send_signal(signal.SIGTERM)
+        end = peer.read_until_end("t")[-1]
+        peer.close()
+    finally:
+        output = stop(proc)
+    assert proc.returncode == 0, output
+    if isinstance(end, m.ErrorMessage):
+        assert end.error.code == "SHUTTING_DOWN", end
+    else:
+        assert isinstance(end, m.TaskComplete), end
+        assert grace_s > 0
+    assert not (state / "appliance.sock").exists() and not (state / "registry.json").exists()

@@ -416,13 +416,18 @@ SETTINGS: tuple[Setting, ...] = (
         "Unregister an agent that has not decoded for this long; 0 = never.",
         minimum=0, maximum=31536000,
     ),
+    Setting(
+        "shutdown_grace_s", FLOAT, 10,
+        "On SIGTERM, running requests get this long to finish before they end with SHUTTING_DOWN.",
+        minimum=0, maximum=3600,
+    ),
     # socket
-    Setting("socket.path", PATH, f"{DATA_DIR_PREFIX}/appliance.sock", "Socket file path.", live=False),
-    Setting("socket.mode", MODE, "0660", "Socket permissions (quote it); no bits for others.", live=False),
+    Setting("socket.path", PATH, f"{DATA_DIR_PREFIX}/appliance.sock", "Socket file path; a reload rebinds it."),
+    Setting("socket.mode", MODE, "0660", "Socket permissions (quote it); no bits for others."),
     Setting(
         "socket.group", STR, None,
         "Group to own the socket; null = the daemon's group.",
-        nullable=True, live=False,
+        nullable=True,
     ),
     Setting(
         "socket.request_timeout_s", FLOAT, 10,
@@ -442,10 +447,9 @@ SETTINGS: tuple[Setting, ...] = (
     # http
     Setting(
         "http.host", STR, "127.0.0.1",
-        "Address to bind; a non-loopback one needs http.api_token.",
-        live=False,
+        "Address to bind; a non-loopback one needs http.api_token. A reload rebinds it.",
     ),
-    Setting("http.port", INT, 8080, "TCP port; 0 = any free port.", minimum=0, maximum=65535, live=False),
+    Setting("http.port", INT, 8080, "TCP port; 0 = any free port. A reload rebinds it.", minimum=0, maximum=65535),
     Setting(
         "http.api_token", STR, None,
         "Bearer token HTTP requests must carry; null = none (loopback only).",
@@ -491,7 +495,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "engine.threads", INT, 0,
         "Fixed thread count; 0 = choose automatically.",
-        minimum=0, maximum=1024,
+        minimum=0, maximum=1024, live=False,
     ),
     # models[]
     Setting("models[].name", STR, REQUIRED, "Model name used by clients.", check=_check_model_name),

@@ -83,6 +83,7 @@ class Config:
     max_tasks_per_connection: int
     host_kv_budget: int | None  # None = auto (a quarter of physical RAM)
     agent_idle_ttl_s: float  # 0 = agents never expire
+    shutdown_grace_s: float  # SIGTERM: how long running requests may still take
     engine: EngineConfig
     models: tuple[ModelConfig, ...]
 

@@ -37,8 +37,14 @@ def health_document(appliance: Appliance) -> dict:
         status = "degraded"
     elif any(m["state"] == "loading" for m in models):
         status = "loading"
+    config = appliance.config_report()
+    problem: dict[str, Any] = {}
+    if config["status"] == "invalid":  # the file on disk: the appliance goes on with its last valid config
+        status = "degraded"
+        problem = {"reason": f"{config['file']} is invalid: {config['path'] or 'file'}: {config['reason']}",
+                   "line": config["line"]}
     snapshot = daemon.snapshot() if daemon else {}
-    return {"status": status, "models": models,
+    return {"status": status, **problem, "config": config, "models": models,
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
@@ -115,9 +121,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         limit = self.appliance.config.max_connections
-        socket_server = self.appliance.socket_server
-        total = len(self.connections) + (len(socket_server.connections) if socket_server is not None else 0)
-        if total > limit:
+        if self.appliance.open_connections() > limit:  # this one included
             self.refused = True
             self.connections.discard(self)  # a refused connection holds no slot
         self._arm_request_timer()
@@ -207,9 +211,6 @@ class HttpServer(uvicorn.Server):
         yield
 
     async def run_forever(self) -> None:
-        socket_server = self.appliance.socket_server
-        if socket_server is not None:  # the socket counts our connections against max_connections too
-            socket_server.other_connections.append(self.open_connections)
         await self.serve(sockets=[self.socket])
 
     @property

@@ -22,14 +22,24 @@ from appliance.server.peer import ReadClock, flush_within, peer_gone, read_withi
 log = logging.getLogger(__name__)
 
 
+def yes_no(record: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``record`` with the flags ``keys`` written ``yes`` / ``no`` (STATUS's ``over_cap``, ``retired``)."""
+    return {key: ("yes" if value else "no") if key in keys else value for key, value in record.items()}
+
+
 def status_body(snapshot: dict[str, Any]) -> list[str]:
     body = lines.format_records("device", [snapshot["device"]])
-    body += lines.format_records("ledger", [snapshot["ledger"]])
+    body += lines.format_records("ledger", [yes_no(snapshot["ledger"], "over_cap")])
     body += lines.format_records("host_kv", [snapshot["host_kv"]])
-    body += lines.format_records("model", snapshot["models"])
+    body += lines.format_records("model", [yes_no(model, "retired") for model in snapshot["models"]])
     body += lines.format_records("agent", snapshot["agents"])
     body += lines.format_records("counters", [snapshot["counters"]])
-    return body + [f"{key} {lines.format_fields(value)}" for key, value in snapshot.get("extra", {}).items()]
+    for key, value in snapshot.get("extra", {}).items():  # one record, or a list of them (the reload history)
+        if isinstance(value, list):
+            body += lines.format_records(key, value)
+        else:
+            body.append(f"{key} {lines.format_fields(value)}")
+    return body
 
 
 def list_body(daemon: Daemon) -> list[str]:
@@ -78,12 +88,15 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     result = await outcome.generate(daemon, prompt=command.prompt, max_tokens=command.n_tokens, sampling=GREEDY,
                                     session_id=command.agent, cancel=cancel)
     gen = result.generation
-    return lines.format_reply("DECODE", [
+    headers: list[dict[str, Any]] = [
         {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
          "stopped_on_eos": gen.stopped_on_eos},
         {"elapsed_ms": round(gen.elapsed_s * 1000, 3)},
         {"kv_swap_evicted": result.evicted or "none", "kv_swap_restored": result.restored},
-    ], body=[gen.text], agent_id=command.agent)
+    ]
+    if result.notice is not None:  # once: its model was reloaded with another vocabulary
+        headers.append({"notice": result.notice})
+    return lines.format_reply("DECODE", headers, body=[gen.text], agent_id=command.agent)
 
 
 READ_AHEAD_BYTES = 1 << 16

@@ -75,12 +75,17 @@ class SocketServer:
         self.refused = 0
         self.buffer_bytes: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
+        self._listening = False  # our socket file is bound at ``path`` (start) and not yet removed
 
     @property
     def max_connections(self) -> int:
         if self._max_connections is not None:
             return self._max_connections
         return self.daemon.config.max_connections
+
+    def open_connections(self) -> int:
+        """This server's open connections."""
+        return len(self.connections)
 
     def total_connections(self) -> int:
         """Open connections of every surface: the socket's and the others' (HTTP)."""
@@ -100,6 +105,7 @@ class SocketServer:
                                                            limit=READER_LIMIT_BYTES, backlog=256)
         finally:
             os.umask(old_umask)
+        self._listening = True
         os.chmod(self.path, self.mode)
         if self.group:
             os.chown(self.path, -1, grp.getgrnam(self.group).gr_gid)
@@ -185,6 +191,25 @@ class SocketServer:
                 "sndbuf_granted_bytes": self.buffer_bytes.get("sndbuf"),
                 "rcvbuf_granted_bytes": self.buffer_bytes.get("rcvbuf")}
 
+    def set_permissions(self, mode: int, group: str | None) -> None:
+        """Apply a new ``mode`` and ``group`` to the bound socket file (a reload that changed only those)."""
+        os.chmod(self.path, mode)
+        if group:
+            os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
+        self.mode = mode
+        self.group = group
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and remove its file (only the one we bound); connections in flight go on
+        until they end or :meth:`close`. A rebind does this to the old server once the new one listens."""
+        if self._server is None or not self._listening:
+            return
+        self._listening = False
+        self._server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        log.info("socket %s no longer accepts connections (%d still open)", self.path, len(self.connections))
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -199,7 +224,8 @@ class SocketServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-        if self._server is not None:  # only the socket we bound: never a file that was there before
+        if self._listening:  # only the socket we bound and still own: never a file that was there before
+            self._listening = False
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 

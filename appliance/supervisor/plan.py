@@ -8,9 +8,11 @@ The rules, one per kind of change:
   agent leaves;
 * a model whose file or context settings changed (a key that is not live: path, n_ctx, cache_type, ...) is
   reloaded alone, its agents staying registered; a change of live model keys only (idle_ttl_s) applies in place;
+* a loaded model whose file was replaced in place (same path, new content) is reloaded the same way;
 * the socket (path, mode, group) and the HTTP address (host, port) are rebound: the new listener first, then the
   old one closes;
-* ``device`` and ``data_dir`` need a restart: the reload applies everything else and says that these wait;
+* ``device``, ``data_dir`` and ``engine.threads`` (the settings the schema marks not live) need a restart: the
+  reload applies everything else, keeps their running values, and says that these wait;
 * every other setting is read at use time, so it applies to the next request once the config is swapped.
 """
 
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 
 from appliance.config.diff import ConfigDiff
 
-RESTART_SETTINGS = ("data_dir", "device")
-"""Settings a running appliance cannot change: they wait for a restart."""
 SOCKET_SETTINGS = ("socket.path", "socket.mode", "socket.group")
 HTTP_SETTINGS = ("http.host", "http.port")
 
@@ -39,11 +39,13 @@ class ReloadPlan:
     rebind_socket: bool = False
     rebind_http: bool = False
     restart_needed: tuple[str, ...] = ()
+    replaced_files: tuple[str, ...] = ()  # loaded models whose file was replaced in place: reloaded too
 
     @property
     def empty(self) -> bool:
         return not (self.add_models or self.retire_models or self.reload_models or self.live_models
-                    or self.live_settings or self.rebind_socket or self.rebind_http or self.restart_needed)
+                    or self.live_settings or self.rebind_socket or self.rebind_http or self.restart_needed
+                    or self.replaced_files)
 
     def summary(self) -> str:
         """One line: what is applied and what waits for a restart (``no changes`` when empty)."""
@@ -54,6 +56,8 @@ class ReloadPlan:
             parts.append(f"retiring {', '.join(self.retire_models)}")
         if self.reload_models:
             parts.append(f"reloading {', '.join(self.reload_models)}")
+        if self.replaced_files:
+            parts.append(f"reloading replaced files of {', '.join(self.replaced_files)}")
         if self.live_models:
             parts.append(f"updated {', '.join(self.live_models)}")
         if self.live_settings:
@@ -67,14 +71,15 @@ class ReloadPlan:
         return "; ".join(parts) or "no changes"
 
 
-def plan(diff: ConfigDiff) -> ReloadPlan:
-    """The :class:`ReloadPlan` for ``diff`` (see the module docstring for the rules)."""
+def plan(diff: ConfigDiff, replaced: tuple[str, ...] = ()) -> ReloadPlan:
+    """The :class:`ReloadPlan` for ``diff`` (see the module docstring for the rules); ``replaced``: the loaded
+    models whose file on disk changed although their config did not."""
     reload_models = tuple(name for name in diff.changed_models if name in diff.reload_models)
     live_models = tuple(name for name in diff.changed_models if name not in diff.reload_models)
     restart = []
     live = []
     for key in diff.changed_settings:
-        if key in RESTART_SETTINGS:
+        if key in diff.restart_settings:
             restart.append(key)
         elif key not in SOCKET_SETTINGS and key not in HTTP_SETTINGS:
             live.append(key)
@@ -87,4 +92,6 @@ def plan(diff: ConfigDiff) -> ReloadPlan:
         rebind_socket=any(key in SOCKET_SETTINGS for key in diff.changed_settings),
         rebind_http=any(key in HTTP_SETTINGS for key in diff.changed_settings),
         restart_needed=tuple(restart),
+        replaced_files=tuple(name for name in replaced
+                             if name not in reload_models and name not in diff.removed_models),
     )

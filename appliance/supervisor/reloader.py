@@ -30,12 +30,22 @@ from appliance.config.validate import ConfigInvalid, Problem, load_config
 from appliance.supervisor.notify import Notifier
 from appliance.supervisor.plan import ReloadPlan, plan
 from appliance.supervisor.record import Reload, ReloadHistory, Trigger
-from appliance.supervisor.watch import FileWatcher, PollingWatcher, WatchfilesWatcher
+from appliance.supervisor.watch import FileWatcher, Fingerprint, PollingWatcher, WatchfilesWatcher, fingerprint
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 2.0
 """The polling watcher's period: the longest an edit inotify cannot see waits (two looks must agree)."""
+
+
+class ApplyFailed(Exception):
+    """An applier carried out part of a plan and failed at the rest: ``applied`` is what it did (one line),
+    ``error`` what it could not do and why."""
+
+    def __init__(self, error: str, applied: str) -> None:
+        super().__init__(error)
+        self.error = error
+        self.applied = applied
 
 
 class Applier(Protocol):
@@ -47,11 +57,16 @@ class Applier(Protocol):
         ...
 
     async def apply(self, new: Config, plan: ReloadPlan) -> str:
-        """Carry out ``plan`` towards ``new``; return what was applied (one line). Raises if it could not."""
+        """Carry out ``plan`` towards ``new``; return what was applied (one line). Raises :class:`ApplyFailed`
+        when it did part of it, anything else when it did nothing."""
         ...
 
     def ready_status(self) -> str:
         """One line for systemd's STATUS= (models loaded, agents, ...)."""
+        ...
+
+    def replaced_files(self) -> tuple[str, ...]:
+        """The loaded models whose file on disk was replaced since they were loaded."""
         ...
 
 
@@ -72,6 +87,7 @@ class Reloader:
         self.loader = loader
         self.history = ReloadHistory()
         self.problems: tuple[Problem, ...] = ()  # of the file on disk, when it is invalid
+        self.seen: Fingerprint = fingerprint(path)  # the file as the last reload (or the start) read it
         self._requested: Trigger | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -105,6 +121,8 @@ class Reloader:
         """Watch the file and run requested reloads until :attr:`stop` is set."""
         tasks = [asyncio.create_task(watcher.run(), name=f"watch-{type(watcher).__name__}")
                  for watcher in self.watchers()]
+        if fingerprint(self.path) != self.seen:  # saved before the watchers took their first look
+            self.request("file")
         try:
             while not self.stop.is_set():
                 stopping = asyncio.ensure_future(self.stop.wait())
@@ -117,7 +135,8 @@ class Reloader:
                 self._wake.clear()
                 trigger = self._requested or "file"
                 self._requested = None
-                await self.reload(trigger)
+                if trigger != "file" or fingerprint(self.path) != self.seen:
+                    await self.reload(trigger)  # a watcher that noticed what another already reported: no reload
                 if self._requested is None:
                     self._idle.set()
         finally:
@@ -150,6 +169,7 @@ class Reloader:
         def elapsed_ms() -> float:
             return (time.perf_counter() - clock) * 1000
 
+        self.seen = await asyncio.to_thread(fingerprint, self.path)
         try:
             new = await asyncio.to_thread(self.loader, self.path)
         except ConfigInvalid as exc:
@@ -158,11 +178,14 @@ class Reloader:
                           problems=tuple(str(problem) for problem in exc.problems))
         self.problems = ()
         changes = diff(self.applier.config, new)
-        steps = plan(changes)
-        if changes.empty:
+        steps = plan(changes, self.applier.replaced_files())
+        if steps.empty:
             return Reload(started, trigger, "unchanged", changes.summary(), "no changes", (), elapsed_ms())
         try:
             applied = await self.applier.apply(new, steps)
+        except ApplyFailed as exc:
+            return Reload(started, trigger, "failed", changes.summary(), exc.applied, steps.restart_needed,
+                          elapsed_ms(), error=exc.error)
         except Exception as exc:
             log.exception("reload failed while applying: %s", steps.summary())
             return Reload(started, trigger, "failed", changes.summary(), "", steps.restart_needed, elapsed_ms(),

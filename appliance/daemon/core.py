@@ -33,6 +33,7 @@ Hot reload (SPEC C3) changes a running daemon through two calls, :meth:`Daemon.a
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -48,6 +49,7 @@ from appliance.config.validate import Config, ModelConfig
 from appliance.daemon import hostkv, policy
 from appliance.daemon.devices import DeviceReading, MemoryDevice
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
+from appliance.daemon.requests import RequestLog
 from appliance.engine import gguf_meta
 from appliance.engine.interface import (
     GREEDY,
@@ -268,11 +270,17 @@ class Daemon:
         self.ledger = Ledger(compute_cap(self.reading.total, config.admission_percent, self.external))
         self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
                                          "denials": 0, "host_kv_drops": 0, "host_kv_rebuilds": 0,
-                                         "agents_expired": 0, "reloads": 0}
+                                         "agents_expired": 0, "reloads": 0, "kv_swap_bytes": 0,
+                                         "kv_restore_bytes": 0}
+        self.kv_swap_seconds = 0.0  # engine time in KV swaps: parking the live state and restoring the attached one
+        self.decoding = 0  # generations running on the engine thread now (written by that thread only)
+        self.errors: collections.Counter[tuple[str, str]] = collections.Counter()  # P4 errors sent: (surface, code)
+        self.connections: collections.Counter[str] = collections.Counter()  # socket connections by protocol
         self.physical_memory = physical_memory()
         self.closing = False
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
-        self.reports: dict[str, Callable[[], dict[str, Any]]] = {}  # other parts' figures for STATUS
+        self.reports: dict[str, Callable[[], Any]] = {}  # other parts' figures for STATUS
+        self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
 
     def _changed(self) -> None:
@@ -489,6 +497,21 @@ class Daemon:
             with contextlib.suppress(ApplianceError):
                 await self.unregister(agent.id, reason="its connection closed")
 
+    async def reset_conversation(self, agent_id: str) -> None:
+        """Empty ``agent_id``'s conversation (its tokens and KV state); the agent stays registered (the OpenAI
+        API: a client that changed its history starts over)."""
+        agent = self.agent(agent_id)
+        async with agent.lock:
+            if self.agents.get(agent_id) is not agent:
+                raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+            await self.engine.call(self._reset, agent.model, agent.conversation)
+
+    def _reset(self, model: Model, conv: Conversation) -> None:
+        """Detach ``conv`` from its model's runtime and forget its tokens (engine thread)."""
+        self._detach(model, conv)
+        conv.tokens.clear()
+        conv.n_evaluated = 0
+
     # -- decoding --------------------------------------------------------------------------------
     async def decode(self, agent_id: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
                      on_token: Callable[[Token], None] | None = None,
@@ -538,6 +561,7 @@ class Daemon:
         cancel = cancel or threading.Event()
         owner = {id(a.conversation): a.id for a in self.agents.values()}
         dropped: list[str] = []
+        moved = {"swap_bytes": 0, "restore_bytes": 0, "seconds": 0.0}  # this request's KV swap (metrics)
 
         def work() -> DecodeResult:
             runtime = model.runtime
@@ -552,14 +576,22 @@ class Daemon:
                                                  buffer_bytes(parking))
                 dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
             rebuilt = conv.where == "empty" and bool(conv.tokens) and runtime.live is not conv
+            restoring = conv.nbytes if conv.where == "host" else 0
+            swap_started = time.perf_counter()
             swap = runtime.attach(conv)
+            if swap.evicted is not None or swap.restored:
+                moved["seconds"] = time.perf_counter() - swap_started
+                moved["swap_bytes"] = 0 if swap.evicted is None else swap.evicted.nbytes
+                moved["restore_bytes"] = restoring if swap.restored else 0
             if swap.evicted is not None:
                 ratio = hostkv.per_token(swap.evicted.nbytes, swap.evicted.n_evaluated)
                 model.kv_bytes_per_token = max(model.kv_bytes_per_token, ratio)
             dropped.extend(self._fit_host_kv(agents))
+            self.decoding += 1
             try:
                 generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set)
             finally:
+                self.decoding -= 1
                 if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
                     runtime.detach(conv)
             evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
@@ -584,6 +616,9 @@ class Daemon:
             model.inflight -= 1
             model.last_used = self.clock()
             self.counters["host_kv_drops"] += len(dropped)
+            self.counters["kv_swap_bytes"] += int(moved["swap_bytes"])
+            self.counters["kv_restore_bytes"] += int(moved["restore_bytes"])
+            self.kv_swap_seconds += moved["seconds"]
         self.counters["decodes"] += 1
         self.counters["host_kv_rebuilds"] += result.rebuilt
         self.counters["tokens"] += result.generation.generated_tokens

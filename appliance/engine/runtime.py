@@ -177,9 +177,9 @@ class Runtime(LiveSlot):
         if llm.n_tokens >= len(conv.tokens):  # nothing pending: re-evaluate the last token for fresh logits
             llm._ctx.kv_cache_seq_rm(0, len(conv.tokens) - 1, -1)
             llm.n_tokens = len(conv.tokens) - 1
+        llm.set_seed(sampling.seed)  # before the sampler chain is built: it takes the seed from here
         sampler = llm._init_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                     min_p=0.0)
-        llm.set_seed(sampling.seed)
         out: list[int] = []
         reason: StopReason = "length"
         ttft: float | None = None

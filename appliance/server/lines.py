@@ -85,8 +85,8 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
         return lines.format_reply("UNREGISTER", [{"ledger_allocated_bytes": daemon.ledger.allocated}],
                                   agent_id=command.agent)
     assert name == "DECODE" and command.n_tokens is not None
-    result = await outcome.generate(daemon, prompt=command.prompt, max_tokens=command.n_tokens, sampling=GREEDY,
-                                    session_id=command.agent, cancel=cancel)
+    result = await outcome.generate(daemon, surface="lines", prompt=command.prompt, max_tokens=command.n_tokens,
+                                    sampling=GREEDY, session_id=command.agent, cancel=cancel)
     gen = result.generation
     headers: list[dict[str, Any]] = [
         {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
@@ -135,7 +135,7 @@ class LineSession:
                 event = self.lines.next_event()
             except lines.LineProtocolError as exc:
                 self.clock.pending(False)
-                self.writer.write(lines.format_error(exc.error).encode())
+                self.writer.write(self.error_line(exc.error).encode())
                 if not await self.flush() or exc.fatal:
                     return
                 continue
@@ -159,7 +159,7 @@ class LineSession:
         """Read the next bytes; False when the connection timed out (it was told why)."""
         chunk = await read_within(self.reader, self.clock, READ_BYTES)
         if chunk is None:
-            self.writer.write(lines.format_error(self.clock.error("request line")).encode())
+            self.writer.write(self.error_line(self.clock.error("request line")).encode())
             await self.flush()
             return False
         self.eof = not chunk
@@ -178,11 +178,16 @@ class LineSession:
                 await self.watch(job, cancel)
             except asyncio.CancelledError:  # the daemon is stopping: say so, then let the connection go
                 error = ApplianceError("SHUTTING_DOWN", "the appliance is stopping")
-                self.writer.write(lines.format_error(error).encode())
+                self.writer.write(self.error_line(error).encode())
                 raise
             return job.result()
         except Exception as exc:  # never let one request take the daemon down
-            return lines.format_error(outcome.error_of(exc))
+            return self.error_line(outcome.error_of(exc))
+
+    def error_line(self, error: ApplianceError) -> str:
+        """``error`` as one ERR line, counted for the metrics."""
+        self.daemon.errors["lines", error.code] += 1
+        return lines.format_error(error)
 
     async def watch(self, job: asyncio.Future[str], cancel: threading.Event) -> None:
         """Wait for ``job`` while reading ahead (pipelined lines are kept, up to :data:`READ_AHEAD_BYTES`).

@@ -152,8 +152,10 @@ class SocketServer:
             if not initial:
                 return
             if initial.startswith(MAGIC):
+                self.daemon.connections["magn"] += 1
                 await serve_magn(self.daemon, reader, writer, initial)
             else:
+                self.daemon.connections["lines"] += 1
                 await serve_lines(self.daemon, reader, writer, initial)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -176,8 +178,10 @@ class SocketServer:
         except TimeoutError:
             initial = b""
         if initial.startswith(MAGIC):
+            self.daemon.errors["magn", error.code] += 1
             writer.write(error_frame(error, None))
         else:
+            self.daemon.errors["lines", error.code] += 1
             writer.write(lines.format_error(error).encode())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(writer.drain(), SNIFF_TIMEOUT_S)

@@ -86,6 +86,8 @@ class MagnSession:
     def encode(self, message: m.Message) -> bytes:
         """``message``'s frame, checked by the connection's rules (and logged at DEBUG)."""
         data = self.conn.send(message)
+        if isinstance(message, m.ErrorMessage):
+            self.daemon.errors["magn", message.error.code] += 1
         if log.isEnabledFor(logging.DEBUG):
             magic, version, length = HEADER.unpack_from(data)
             log.debug("MAGN out magic=%#x version=%d length=%d %s", magic, version, length, message.to_payload())
@@ -219,7 +221,7 @@ class MagnSession:
         try:
             try:
                 with pump:  # on exit every token is delivered: nothing can follow the end
-                    result = await generate(self.daemon, prompt=prompt, max_tokens=request.max_tokens,
+                    result = await generate(self.daemon, surface="magn", prompt=prompt, max_tokens=request.max_tokens,
                                             sampling=sampling, session_id=request.session_id, model=request.model,
                                             on_token=pump.on_token if request.stream else None, cancel=task.cancel,
                                             queue=("connection", id(self)))

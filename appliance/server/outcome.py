@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 
 from appliance.daemon.core import Daemon, DecodeResult
+from appliance.daemon.requests import Outcome, RequestRecord, Surface
 from appliance.engine.interface import Generation, Sampling, Token
 from appliance.errors import ApplianceError, internal
 
@@ -43,20 +46,60 @@ def error_of(exc: Exception) -> ApplianceError:
     return internal(exc)
 
 
-async def generate(daemon: Daemon, *, prompt: str, max_tokens: int, sampling: Sampling,
+async def generate(daemon: Daemon, *, surface: Surface, prompt: str, max_tokens: int, sampling: Sampling,
                    session_id: str | None = None, model: str | None = None,
                    on_token: Callable[[Token], None] | None = None,
                    cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
     """Generate ``max_tokens`` at most after ``prompt``: in the agent session ``session_id`` if given, else
     stateless on ``model`` in the engine queue ``queue`` (the caller's connection, so that connections take turns).
-    Raises :class:`ApplianceError`, including :func:`cancelled_error`'s."""
-    if session_id is not None:
-        result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel)
-    elif model is not None:
-        result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel, queue=queue)
+    Raises :class:`ApplianceError`, including :func:`cancelled_error`'s. Every request, whatever its end, is one
+    record in ``daemon.requests`` (``surface``: who asked)."""
+    started = time.perf_counter()
+    result: DecodeResult | None = None
+    failure: ApplianceError | None = None
+    try:
+        if session_id is not None:
+            result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel)
+        elif model is not None:
+            result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel, queue=queue)
+        else:
+            raise ApplianceError("BAD_REQUEST", "one of model or session_id is required")
+        failure = cancelled_error(result.generation, closing=daemon.closing)
+        if failure is not None:
+            raise failure
+        return result
+    except ApplianceError as exc:
+        failure = exc
+        raise
+    except asyncio.CancelledError:
+        failure = ApplianceError("CANCELLED", "the request was cancelled")
+        raise
+    finally:
+        record = request_record(daemon, surface, session_id, model, result, failure, time.perf_counter() - started)
+        if record is not None:
+            daemon.requests.add(record)
+
+
+def request_record(daemon: Daemon, surface: Surface, session_id: str | None, model: str | None,
+                   result: DecodeResult | None, failure: ApplianceError | None,
+                   elapsed_s: float) -> RequestRecord | None:
+    """The log record of one request (None for a request that named no model and no agent we know)."""
+    if result is not None:
+        model_name = result.model
+    elif session_id is not None and session_id in daemon.agents:
+        model_name = daemon.agents[session_id].model.key
     else:
-        raise ApplianceError("BAD_REQUEST", "one of model or session_id is required")
-    error = cancelled_error(result.generation, closing=daemon.closing)
-    if error is not None:
-        raise error
-    return result
+        model_name = model
+    if model_name is None:
+        return None
+    generation = result.generation if result is not None else None
+    outcome: Outcome = "ok"
+    if failure is not None:
+        outcome = "cancelled" if failure.code in ("CANCELLED", "SHUTTING_DOWN") else "error"
+    return RequestRecord(
+        at=time.time(), surface=surface, model=model_name, agent=session_id,
+        prompt_tokens=generation.prompt_tokens if generation is not None else 0,
+        generated_tokens=generation.generated_tokens if generation is not None else 0,
+        ttft_s=generation.ttft_s if generation is not None else None,
+        elapsed_s=elapsed_s, outcome=outcome, error=failure.code if failure is not None else None,
+        stop_reason=generation.stop_reason if generation is not None else None)

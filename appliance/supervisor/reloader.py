@@ -17,6 +17,7 @@ The reloader knows the application only through :class:`Applier`, so tests drive
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -86,6 +87,7 @@ class Reloader:
         self.poll_interval_s = poll_interval_s
         self.loader = loader
         self.history = ReloadHistory()
+        self.results: collections.Counter[str] = collections.Counter()  # every reload's result, counted (metrics)
         self.problems: tuple[Problem, ...] = ()  # of the file on disk, when it is invalid
         self.seen: Fingerprint = fingerprint(path)  # the file as the last reload (or the start) read it
         self._requested: Trigger | None = None
@@ -159,6 +161,7 @@ class Reloader:
             finally:
                 self.notifier.ready(self.applier.ready_status())
         self.history.add(record)
+        self.results[record.result] += 1
         if record.result in ("invalid", "failed"):
             log.warning("%s", record.line())
         else:

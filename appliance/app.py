@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -197,6 +198,8 @@ class Appliance:
         self.overrides: dict[str, Path | None] = {"data_dir": None, "socket_path": None}
         self.config_sha256 = file_sha256(config_path)
         self.started_at = time.time()
+        self.csrf_token = secrets.token_urlsafe(32)  # the admin page's CSRF token (appliance.http.security)
+        self.session_secret = secrets.token_bytes(32)  # keys the admin login's session cookie
         self.notifier = notifier or Notifier()
         self.reloader: Reloader | None = None
         self._device = device
@@ -516,6 +519,8 @@ class Appliance:
         self.http_server = server
         if previous is not None:
             previous.config.timeout_graceful_shutdown = None  # in-flight requests finish, however long
+            for listener in previous.servers:  # stop accepting now, not at uvicorn's next 0.1 s tick
+                listener.close()
             previous.should_exit = True
             self._tasks.append(asyncio.create_task(self._forget_http(previous), name="http-retire"))
         return f"HTTP moved to {server.url}"

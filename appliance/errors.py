@@ -30,8 +30,8 @@ _KINDS = [
     ErrorKind("UNKNOWN_MODEL", 404, False, "no such model is configured or allowed"),
     ErrorKind("UNKNOWN_AGENT", 404, False, "no such agent is registered"),
     ErrorKind("AGENT_EXISTS", 409, False, "an agent with this id is already registered"),
-    ErrorKind("VRAM_LEDGER_DENY", 507, True, "the VRAM ledger has no room for this model"),
-    ErrorKind("TOO_MANY_CONNECTIONS", 503, True, "the daemon is at max_connections"),
+    ErrorKind("VRAM_LEDGER_DENY", 503, True, "the VRAM ledger has no room for this model"),
+    ErrorKind("TOO_MANY_CONNECTIONS", 429, True, "the daemon is at max_connections"),
     ErrorKind("TOO_MANY_TASKS", 429, True, "the connection is at max_tasks_per_connection"),
     ErrorKind("HOST_KV_DENY", 507, True, "the host KV budget has no room for this agent's state"),
     ErrorKind("CONTEXT_OVERFLOW", 400, False, "the request does not fit in the model's context"),
@@ -42,6 +42,7 @@ _KINDS = [
     ErrorKind("CANCELLED", 499, False, "the task was cancelled"),
     ErrorKind("SHUTTING_DOWN", 503, True, "the daemon is stopping"),
     ErrorKind("CONFIG_INVALID", 400, False, "the configuration file is invalid"),
+    ErrorKind("UNAUTHORIZED", 401, False, "the request lacks the API token (http.api_token)"),
     ErrorKind("FORBIDDEN", 403, False, "the request is not allowed"),
     ErrorKind("INTERNAL", 500, False, "an unexpected internal error"),
 ]

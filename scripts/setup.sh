@@ -18,33 +18,38 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 
-# System tools the tests need: systemd-analyze (tests/test_systemd_unit.py verifies and scores the unit).
-# Cheap when present; installed with apt-get when we are root or have passwordless sudo; else we say why not.
-install_systemd_analyze() {
-    local sudo=""
+# System tools the tests need, installed with apt-get when missing (cheap when present): systemd-analyze
+# (tests/test_systemd_unit.py verifies and scores the unit) and Debian's chromium (tests/test_admin_browser.py drives
+# it with Playwright; the pip package's own browser download is never used). Installed when we are root or have
+# passwordless sudo; else we say why not.
+apt_install() {  # apt_install <package> <what needs it>
+    local package=$1 needed_by=$2 sudo=""
     if [ "$(id -u)" -ne 0 ]; then
         if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
             sudo="sudo -n"
         else
-            echo "setup: systemd-analyze is missing and we are not root (no passwordless sudo): install Debian's" \
-                 "systemd package, or tests/test_systemd_unit.py fails" >&2
+            echo "setup: $package is missing and we are not root (no passwordless sudo): install Debian's" \
+                 "$package package, or $needed_by fails" >&2
             return 0
         fi
     fi
     if ! command -v apt-get >/dev/null 2>&1; then
-        echo "setup: systemd-analyze is missing and there is no apt-get: install systemd with this system's" \
-             "package manager, or tests/test_systemd_unit.py fails" >&2
+        echo "setup: $package is missing and there is no apt-get: install it with this system's" \
+             "package manager, or $needed_by fails" >&2
         return 0
     fi
-    echo "setup: installing systemd (for systemd-analyze) with apt-get" >&2
+    echo "setup: installing $package with apt-get (for $needed_by)" >&2
     export DEBIAN_FRONTEND=noninteractive
-    if ! $sudo apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; then
+    if ! $sudo apt-get install -y -qq --no-install-recommends "$package" >/dev/null 2>&1; then
         $sudo apt-get update -qq >/dev/null 2>&1 || true
-        if ! $sudo apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; then
-            echo "setup: apt-get could not install systemd (offline?): tests/test_systemd_unit.py fails" >&2
+        if ! $sudo apt-get install -y -qq --no-install-recommends "$package" >/dev/null 2>&1; then
+            echo "setup: apt-get could not install $package (offline?): $needed_by fails" >&2
         fi
     fi
 }
 if ! command -v systemd-analyze >/dev/null 2>&1; then
-    install_systemd_analyze
+    apt_install systemd tests/test_systemd_unit.py
+fi
+if [ ! -x /usr/bin/chromium ]; then
+    apt_install chromium tests/test_admin_browser.py
 fi

@@ -103,12 +103,16 @@ class Running:
 @contextmanager
 def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: bool = True,
             engine_factory: EngineFactory = gated_real_engine, watch: bool = False,
-            notifier: Notifier | None = None, **extra: Any) -> Iterator[Running]:
+            notifier: Notifier | None = None, http_settings: dict[str, Any] | None = None,
+            **extra: Any) -> Iterator[Running]:
     """A real appliance on a short temporary socket path (AF_UNIX paths are limited to 108 bytes); ``extra``
     are more config settings. ``watch``: the config is written to ``<state>/appliance.yaml`` and hot-reloaded
-    from there (:meth:`Running.edit`)."""
+    from there (:meth:`Running.edit`). ``http_settings``: the config's ``http`` section (``http`` itself says
+    whether to serve HTTP at all)."""
     state = Path(tempfile.mkdtemp(prefix="ap-"))
     try:
+        if http_settings is not None:
+            extra["http"] = http_settings
         text = config_text(models, state=state, model_dirs=model_dirs, **extra)
         source = state / "appliance.yaml"
         config = parse_config(text, source=source, base_dir=state)

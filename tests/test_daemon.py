@@ -67,7 +67,7 @@ def test_health_answers_from_memory_while_a_decode_runs(model_dir: Path) -> None
         missing = httpx.get(app.appliance.http_url + "/v1/nothing")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
         wrong = httpx.post(url)
-        assert wrong.status_code == 405 and set(wrong.json()["error"]) == {"code", "message", "retryable", "details"}
+        assert wrong.status_code == 405 and set(wrong.json()["error"]) >= {"code", "message", "retryable", "details"}
         app.line("REGISTER a tiny")
         app.engine.gate.close()  # the decode below holds the engine thread until the gate opens
         worker = threading.Thread(target=app.line, args=("DECODE a 60 Hello",))

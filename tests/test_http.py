@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from appliance.errors import ApplianceError
 
-P4_FIELDS = {"code", "message", "retryable", "details"}
+P4_FIELDS = {"code", "message", "retryable", "details", "type", "param"}  # P4, with OpenAI's envelope fields
 
 
 async def denied(request: Request) -> JSONResponse:
@@ -38,11 +38,12 @@ def http_url(tiny_model: Path):  # type: ignore[no-untyped-def]
 
 def test_an_appliance_error_from_any_route_is_its_p4_response(http_url: str) -> None:
     response = httpx.get(http_url + "/test/denied")
-    assert response.status_code == 507
+    assert response.status_code == 503
     error = response.json()["error"]
     assert set(error) == P4_FIELDS
     assert error["code"] == "VRAM_LEDGER_DENY" and error["retryable"] is True
     assert error["details"] == {"requested_table_bytes": 7}
+    assert error["type"] == "server_error" and response.headers["retry-after"] == "1"
 
 
 def test_an_unexpected_exception_is_internal_without_its_text(http_url: str) -> None:
@@ -61,7 +62,7 @@ def test_unknown_route_and_method_are_p4(http_url: str) -> None:
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
 
 
-def test_http_connections_over_max_connections_get_a_p4_503_and_a_dribbled_head_times_out(tiny_model: Path) -> None:
+def test_http_connections_over_max_connections_get_a_p4_429_and_a_dribbled_head_times_out(tiny_model: Path) -> None:
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], max_connections=1,
                  socket={"path": "a.sock", "request_timeout_s": 0.5}) as app:
         url = app.appliance.http_url
@@ -69,10 +70,11 @@ def test_http_connections_over_max_connections_get_a_p4_503_and_a_dribbled_head_
         with httpx.Client() as first:  # holds the only slot (kept alive)
             assert first.get(url + "/v1/health").status_code == 200
             refused = httpx.get(url + "/v1/health")
-            assert refused.status_code == 503
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"] == {"code": "TOO_MANY_CONNECTIONS", "retryable": True,
                                                "message": "the daemon serves at most 1 clients",
-                                               "details": {"max_connections": 1}}
+                                               "details": {"max_connections": 1},
+                                               "type": "rate_limit_error", "param": None}
         host, port = url.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as slow:
             slow.sendall(b"GET /v1/health HTTP/1.1\r\n")  # the head never ends

@@ -52,7 +52,7 @@ def test_refusal_changes_nothing_and_carries_exact_details() -> None:
         ledger.try_reserve("b", 401)
     err = info.value
     assert err.code == "VRAM_LEDGER_DENY"
-    assert err.retryable and err.http_status == 507
+    assert err.retryable and err.http_status == 503
     assert list(err.details.items()) == [
         ("code", "CAP"), ("ledger_max_bytes", 1000), ("ledger_allocated_bytes", 600),
         ("requested_table_bytes", 401)]

@@ -53,6 +53,8 @@ def test_a_wheel_carries_every_package_and_the_assets(tmp_path: Path) -> None:
         assert package.replace(".", "/") + "/__init__.py" in names
     assert "appliance/web/README.md" in names
     assert "appliance/templates/README.md" in names
+    assert {"appliance/web/htmx.min.js", "appliance/web/chat.js", "appliance/templates/base.html",
+            "appliance/templates/_dashboard.html"} <= set(names)  # the admin page ships whole
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from harness import RawPeer, Running, config_text, running
 
@@ -412,3 +413,56 @@ def test_sigterm_during_a_magn_stream(model_dir: Path, grace_s: float, completes
             assert end.error.details["completion_tokens"] < 40
         assert not app.socket.exists()
         assert not os.path.exists(app.appliance.config.data_dir / "registry.json")
+
+
+def sse_events(response: httpx.Response) -> list[dict[str, Any] | str]:
+    """The ``data:`` events of an OpenAI stream, decoded (``"[DONE]"`` as it is)."""
+    events: list[dict[str, Any] | str] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.mark.parametrize("grace_s, completes", [(30, True), (0.3, False)], ids=["finishes", "shutting-down"])
+def test_sigterm_during_an_openai_stream(model_dir: Path, grace_s: float, completes: bool) -> None:
+    demo = {"demo": {"path": str(model_dir / "tiny.gguf")}}
+    with running(demo, model_dirs=[model_dir], shutdown_grace_s=grace_s) as app:
+        app.engine.delay_s = 0.03 if completes else 0.2
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{app.appliance.http_url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            wait_for(lambda: app.daemon.generating > 0, 30, "the stream running")
+            time.sleep(0.2)
+            stopper = stop_in_background(app)
+            events = sse_events(response)
+        stopper.join(60)
+        if completes:
+            assert events[-1] == "[DONE]"
+            finish = [event["choices"][0]["finish_reason"] for event in events[:-1] if event["choices"]]
+            assert finish[-1] == "length"
+        else:
+            errors = [event["error"] for event in events if isinstance(event, dict) and "error" in event]
+            assert errors and errors[-1]["code"] == "SHUTTING_DOWN", events[-3:]
+        assert not app.socket.exists()
+
+
+def test_a_stream_in_flight_finishes_on_the_old_http_port(model_dir: Path) -> None:
+    demo = {"demo": {"path": str(model_dir / "tiny.gguf")}}
+    with running(demo, model_dirs=[model_dir], watch=True) as app:
+        old_url = app.appliance.http_url
+        app.engine.delay_s = 0.05
+        body = {"model": "demo", "prompt": "Hello", "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{old_url}/v1/completions", json=body, timeout=60) as response:
+            wait_for(lambda: app.daemon.generating > 0, 30, "the stream running")
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            rewrite(app, demo, model_dir, http={"host": "127.0.0.1", "port": port})
+            wait_for(lambda: app.appliance.http_url == f"http://127.0.0.1:{port}", 10, "HTTP moved")
+            assert refused(old_url)  # no new connections on the old port...
+            events = sse_events(response)  # ...but the request in flight finishes there
+        assert events[-1] == "[DONE]"
+        text = "".join(event["choices"][0]["text"] for event in events[:-1] if event["choices"])
+        assert text

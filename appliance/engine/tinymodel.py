@@ -193,12 +193,14 @@ def write_tiny_model(
     seed: int = 0,
     dtype: str = "f16",
     progress: ProgressFn | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF to ``path`` and return the path.
 
     ``heads`` defaults to dim // 64 (at least 1), ``kv_heads`` to ``heads`` (give fewer for GQA), ``ff`` to
     about 2.75 x dim. ``dtype`` ("f16" or "f32") applies to the matrices; norms are always f32.
-    ``progress(done_bytes, total_bytes)`` is called after each tensor. The file appears atomically.
+    ``progress(done_bytes, total_bytes)`` is called after each tensor. ``chat_template`` (a Jinja2 source) is
+    written as ``tokenizer.chat_template``. The file appears atomically.
     """
     if dtype not in ("f16", "f32"):
         raise ApplianceError("BAD_REQUEST", f"dtype must be f16 or f32, not {dtype!r}", {"dtype": dtype})
@@ -213,6 +215,8 @@ def write_tiny_model(
     writer = gguf.GGUFWriter(partial, "llama")
     try:
         _add_metadata(writer, hp, vocab, dtype)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
         sizes = []
         for spec in specs:
             np_dtype = np.dtype(np.float32 if spec.is_norm else matrix_type)

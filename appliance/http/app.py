@@ -13,13 +13,17 @@ from typing import TYPE_CHECKING, Any
 import h11
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from appliance.errors import ApplianceError, StartupError
+from appliance.http.assets import web_dir
+from appliance.http.security import Guard
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -52,29 +56,57 @@ def health_document(appliance: Appliance) -> dict:
             "version": appliance.version}
 
 
-def error_response(error: ApplianceError) -> JSONResponse:
-    return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
+"""OpenAI's ``error.type`` for an HTTP status (anything else, 5xx: ``server_error``)."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` on a retryable 429 or 503 (a ledger denial, the connection cap, shutting down)."""
+
+
+def error_body(error: ApplianceError) -> dict[str, Any]:
+    """The P4 error (``code``, ``message``, ``retryable``, ``details``) with OpenAI's envelope fields beside it
+    (``type``, ``param``; ``code`` and ``message`` are shared), so the official clients read it too."""
+    body = error.to_dict()
+    body["type"] = OPENAI_TYPES.get(error.http_status, "server_error")
+    body["param"] = error.details.get("param")
+    return {"error": body}
+
+
+def error_response(error: ApplianceError, request: Request | None = None) -> JSONResponse:
+    """The one mapping from an :class:`ApplianceError` to an HTTP response, for every route; with the ``request``
+    it answers, the error is counted for the metrics (``appliance_errors_total{surface="http"}``)."""
+    if request is not None:
+        daemon = request.app.state.appliance.daemon
+        if daemon is not None:
+            daemon.errors["http", error.code] += 1
+    headers = {}
+    if error.retryable and error.http_status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
 async def appliance_error(request: Request, exc: Exception) -> JSONResponse:
     """Every :class:`ApplianceError` a route raises becomes its P4 response: one mapping for every route."""
     assert isinstance(exc, ApplianceError)
-    return error_response(exc)
+    return error_response(exc, request)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     """Anything else is a bug: logged with its traceback, answered as P4 ``INTERNAL`` without its text."""
     log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(ApplianceError("INTERNAL", "an unexpected internal error", {"path": request.url.path}))
+    return error_response(ApplianceError("INTERNAL", "an unexpected internal error", {"path": request.url.path}),
+                          request)
 
 
 async def not_found(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}))
+    return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}),
+                          request)
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     return error_response(ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
-                                         {"path": request.url.path, "method": request.method}))
+                                         {"path": request.url.path, "method": request.method}), request)
 
 
 EXCEPTION_HANDLERS = {
@@ -90,8 +122,16 @@ async def health(request: Request) -> JSONResponse:
 
 
 def create_app(appliance: Appliance) -> Starlette:
-    app = Starlette(routes=[Route("/v1/health", health)], exception_handlers=EXCEPTION_HANDLERS)
+    """The HTTP app: health, the OpenAI-compatible API, metrics, the admin page and its static files, behind the
+    :class:`~appliance.http.security.Guard` (API token, cross-origin and CSRF checks)."""
+    from appliance.http import admin, metrics, openai
+
+    routes = [Route("/v1/health", health), *openai.routes, *metrics.routes, *admin.routes,
+              Mount("/static", StaticFiles(directory=web_dir()), name="static")]
+    middleware = [Middleware(Guard, appliance=appliance)]
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     app.state.appliance = appliance
+    metrics.attach(appliance)  # request metrics from the start, not from the first scrape
     return app
 
 
@@ -124,6 +164,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.appliance.open_connections() > limit:  # this one included
             self.refused = True
             self.connections.discard(self)  # a refused connection holds no slot
+        elif self.appliance.daemon is not None:
+            self.appliance.daemon.connections["http"] += 1  # accepted connections by protocol (metrics)
         self._arm_request_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -154,9 +196,9 @@ class GuardedH11Protocol(H11Protocol):
         limit = self.appliance.config.max_connections
         error = ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {limit} clients",
                                {"max_connections": limit})
-        body = json.dumps({"error": error.to_dict()}).encode()
+        body = json.dumps(error_body(error)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+                   (b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
         self.transport.write(self.conn.send(h11.Response(status_code=error.http_status, headers=headers)))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
@@ -191,7 +233,9 @@ class HttpServer(uvicorn.Server):
                                         timeout_graceful_shutdown=int(CLOSE_GRACE_S)))
         self.appliance = appliance
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: accepted sockets inherit it, and asyncio sets TCP_NODELAY only on sockets that say TCP
+        # (without it every small response waits out the client's delayed ACK: about 40 ms per request)
+        self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.socket.bind((host, port))

@@ -250,7 +250,7 @@ def test_http_connections_count_against_max_connections(hostile):
         extra.request("GET", "/v1/health")
         response = extra.getresponse()
         error = json.loads(response.read())["error"]
-        assert response.status == 503 and error["code"] == "TOO_MANY_CONNECTIONS"
+        assert response.status == 429 and error["code"] == "TOO_MANY_CONNECTIONS"
         assert error["details"] == {"max_connections": 6} and error["retryable"] is True
         extra.close()
         conns.pop().close()  # one slot free: a slowloris takes it, then loses it

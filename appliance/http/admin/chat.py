@@ -1,0 +1,22 @@
+"""The chat page: a box to try a model. ``web/chat.js`` POSTs to the OpenAI endpoint ``/v1/chat/completions``
+with ``stream: true`` and shows the tokens as their SSE chunks arrive; an agent id, when given, is sent as the
+``user`` field (the appliance then keeps that conversation, and its KV, between turns)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from appliance.http.admin import render
+
+DEFAULT_MAX_TOKENS = 64
+
+
+async def chat(request: Request) -> Response:
+    daemon = render.daemon_of(request)
+    names = [spec.name for spec in daemon.config.models]
+    return render.page(request, "chat.html", "chat", model_names=names, max_tokens=DEFAULT_MAX_TOKENS)
+
+
+routes = [Route("/admin/chat", chat, methods=["GET"])]

@@ -1,0 +1,108 @@
+"""The dashboard: the ledger bar, device memory, models, agents, tokens/s and recent requests; the page polls its
+``_dashboard.html`` fragment (``/admin/_dashboard``) every :data:`POLL_S` seconds."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from appliance.http.admin import figures, render
+
+if TYPE_CHECKING:
+    from appliance.app import Appliance
+    from appliance.daemon.core import Daemon
+
+POLL_S = 2
+RECENT_REQUESTS = 15
+KV_PLACES = {"empty": "none yet", "device": "on device", "host": "in host RAM"}
+
+
+def model_rows(daemon: Daemon) -> list[dict[str, Any]]:
+    """Every configured model (and any other the daemon resolved: a GGUF path, a retired one), in config order."""
+    now = daemon.clock()
+    rows = []
+    names = [spec.name for spec in daemon.config.models]
+    names += [name for name in daemon.models if name not in names]
+    for name in names:
+        model = daemon.models.get(name)
+        if model is None:  # configured, never used since start
+            spec = daemon.config.model(name)
+            assert spec is not None
+            rows.append({"name": name, "state": "available", "estimate": spec.vram_bytes, "measured": None,
+                         "refcount": 0, "inflight": 0, "ttl_s": spec.idle_ttl_s, "ttl_left": None, "retired": False})
+            continue
+        ttl_left = figures.ttl_left(loaded=model.runtime is not None, refcount=model.refcount,
+                                    inflight=model.inflight, idle_ttl_s=model.spec.idle_ttl_s,
+                                    last_used=model.last_used, now=now)
+        rows.append({"name": name, "state": model.state, "estimate": model.estimate, "measured": model.measured,
+                     "refcount": model.refcount, "inflight": model.inflight, "ttl_s": model.spec.idle_ttl_s,
+                     "ttl_left": ttl_left, "retired": model.retired})
+    return rows
+
+
+def agent_row(daemon: Daemon, agent: dict[str, Any]) -> dict[str, Any]:
+    """An agent of the snapshot with where its KV is and its bytes: a parked state's own size; for KV live in
+    the model's context, its tokens times the model's KV bytes per token (known after its first swap), marked as
+    an estimate."""
+    row = {**agent, "where": KV_PLACES.get(agent["state"], agent["state"]), "kv_bytes": None, "kv_estimated": False}
+    if agent["state"] == "host":
+        row["kv_bytes"] = agent["state_bytes"]
+    elif agent["state"] == "device":
+        model = daemon.models.get(agent["model"])
+        if model is not None and model.kv_bytes_per_token > 0:
+            row["kv_bytes"] = agent["tokens"] * model.kv_bytes_per_token
+            row["kv_estimated"] = True
+    return row
+
+
+def figures_of(appliance: Appliance) -> dict[str, Any]:
+    """Everything the dashboard fragment shows, read from memory."""
+    daemon = appliance.daemon
+    assert daemon is not None
+    snapshot = daemon.snapshot()
+    ledger = daemon.ledger.snapshot()
+    reading = daemon.reading
+    agents = [agent_row(daemon, agent) for agent in snapshot["agents"]]
+    now = time.time()
+    return {
+        "device": snapshot["device"],
+        "process_used": reading.process_used,
+        "ledger": snapshot["ledger"],
+        "ledger_free": ledger.free,
+        "bar": figures.ledger_bar(reading.total, ledger.cap, ledger.reservations, daemon.external),
+        "host_kv": snapshot["host_kv"],
+        "models": model_rows(daemon),
+        "agents": agents,
+        "counters": snapshot["counters"],
+        "tokens_per_second": daemon.requests.tokens_per_second(now),
+        "requests": [record.to_dict() for record in daemon.requests.recent(RECENT_REQUESTS)],
+        "request_count": len(daemon.requests),
+        "poll_s": POLL_S,
+        "now": now,
+    }
+
+
+async def root(request: Request) -> Response:
+    return RedirectResponse("/admin/", status_code=307)
+
+
+async def dashboard(request: Request) -> Response:
+    render.daemon_of(request)
+    return render.page(request, "dashboard.html", "dashboard", **figures_of(request.app.state.appliance))
+
+
+async def dashboard_partial(request: Request) -> Response:
+    render.daemon_of(request)
+    return render.fragment("_dashboard.html", **figures_of(request.app.state.appliance))
+
+
+routes = [
+    Route("/", root, methods=["GET"]),
+    Route("/admin", root, methods=["GET"]),
+    Route("/admin/", dashboard, methods=["GET"]),
+    Route("/admin/_dashboard", dashboard_partial, methods=["GET"]),
+]

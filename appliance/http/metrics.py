@@ -1,0 +1,259 @@
+"""Prometheus metrics (SPEC W3): ``GET /metrics``, in Prometheus' text format (or OpenMetrics when the scraper
+asks for it), written by ``prometheus_client``. The metrics, their labels and the inference-gateway flags are in
+docs/metrics.md.
+
+Each appliance has a :class:`ApplianceMetrics` of its own (its own ``CollectorRegistry``, not the process-global
+one, so several appliances in one process do not clash), kept per daemon so that an HTTP rebind keeps it:
+
+* :class:`DaemonCollector` reads the daemon's figures when scraped (``snapshot()``, ``counters``, the ledger, host
+  KV, the engine's queue, the reload record): gauges and counters that cost nothing between scrapes;
+* the per-request counters and the latency and time-to-first-token histograms are fed by an observer of
+  ``daemon.requests`` (one :class:`~appliance.daemon.requests.RequestRecord` per generation, every surface).
+
+Also the gauges of the Kubernetes Gateway API Inference Extension's model-server protocol (requests waiting,
+requests running, KV-cache utilization as a 0-1 fraction), so that its endpoint picker can route to appliances.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from appliance.daemon.core import Daemon
+from appliance.daemon.requests import RequestRecord
+
+if TYPE_CHECKING:
+    from appliance.app import Appliance
+
+log = logging.getLogger(__name__)
+
+MODEL_STATES = ("available", "loading", "loaded", "unloading")
+KV_PLACES = ("device", "host", "empty")
+RELOAD_RESULTS = ("applied", "unchanged", "invalid", "failed")
+PROTOCOLS = ("magn", "lines")
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Request latency buckets: a few tokens of a tiny model on a CPU to a long generation on a slow box."""
+TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Time-to-first-token buckets (a prompt's prefill, after any wait for the engine)."""
+
+GIE_WAITING = "appliance_requests_waiting"
+GIE_RUNNING = "appliance_requests_running"
+GIE_KV_USAGE = "appliance_kv_cache_usage_ratio"
+"""The three model-server-protocol gauges, by their names here (docs/metrics.md: the endpoint picker's flags)."""
+
+
+def kv_cache_usage(daemon: Daemon) -> float:
+    """KV cells in use over the cells of every live context (loaded models): a 0-1 fraction, 0 when none is
+    loaded. A model's context holds its live conversation's evaluated tokens; parked agents' KV is in host RAM,
+    not in a context, so it does not count."""
+    used = 0
+    total = 0
+    for model in list(daemon.models.values()):
+        runtime = model.runtime
+        if runtime is None:
+            continue
+        total += runtime.n_ctx
+        live = runtime.live
+        if live is not None:
+            used += live.n_evaluated
+    if total <= 0:
+        return 0.0
+    return min(1.0, used / total)
+
+
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    """A counter family; ``name`` without ``_total`` (prometheus_client adds it to the sample)."""
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class DaemonCollector(Collector):
+    """The figures the daemon and the appliance already keep, read at scrape time (on the event loop)."""
+
+    def __init__(self, appliance: Appliance) -> None:
+        self._appliance = weakref.ref(appliance)  # the daemon holds this collector: no cycle through it
+
+    def collect(self) -> Iterator[Metric]:
+        appliance = self._appliance()
+        if appliance is None or appliance.daemon is None:
+            return
+        daemon = appliance.daemon
+        snapshot = daemon.snapshot()
+        yield from self.memory(snapshot)
+        yield from self.inventory(snapshot)
+        yield from self.kv(daemon, snapshot["counters"])
+        yield from self.gateway(daemon)
+        yield from self.traffic(appliance, daemon)
+        info = GaugeMetricFamily("appliance_build_info", "The appliance's version (value 1).", labels=["version"])
+        info.add_metric([appliance.version], 1)
+        yield info
+
+    @staticmethod
+    def memory(snapshot: dict) -> Iterator[Metric]:
+        ledger = snapshot["ledger"]
+        device = snapshot["device"]
+        host = snapshot["host_kv"]
+        yield gauge("appliance_ledger_cap_bytes", "The VRAM ledger's cap: admission_percent of the device, less "
+                    "external use.", ledger["cap_bytes"])
+        yield gauge("appliance_ledger_allocated_bytes", "Bytes the VRAM ledger has admitted (loaded and loading "
+                    "models).", ledger["allocated_bytes"])
+        yield gauge("appliance_device_total_bytes", "The accelerator's memory, as last read (start, resync).",
+                    device["total_bytes"])
+        yield gauge("appliance_device_used_bytes", "The accelerator's memory in use by every process, as last "
+                    "read.", device["used_bytes"])
+        yield gauge("appliance_device_external_bytes", "Accelerator memory other processes use, as last read "
+                    "(kept out of the ledger's cap).", device["external_bytes"])
+        yield gauge("appliance_host_kv_budget_bytes", "Host RAM that parked KV state may hold (host_kv_budget).",
+                    host["budget_bytes"])
+        yield gauge("appliance_host_kv_parked_bytes", "Host RAM held for KV state now (parked agents and reuse "
+                    "buffers).", host["parked_bytes"])
+
+    @staticmethod
+    def inventory(snapshot: dict) -> Iterator[Metric]:
+        models = GaugeMetricFamily("appliance_models", "Models by lifecycle state.", labels=["state"])
+        for state in MODEL_STATES:
+            models.add_metric([state], sum(m["state"] == state for m in snapshot["models"]))
+        yield models
+        estimate = GaugeMetricFamily("appliance_model_estimate_bytes", "A known model's ledger figure (its "
+                                     "estimate or vram_bytes).", labels=["model"])
+        measured = GaugeMetricFamily("appliance_model_measured_bytes", "What a loaded model's load added to the "
+                                     "process, measured after its first request.", labels=["model"])
+        for model in snapshot["models"]:
+            if model["estimate_bytes"] is not None:
+                estimate.add_metric([model["name"]], model["estimate_bytes"])
+            if model["measured_bytes"] is not None:
+                measured.add_metric([model["name"]], model["measured_bytes"])
+        yield estimate
+        yield measured
+        agents = GaugeMetricFamily("appliance_agents", "Registered agents by where their KV state lives: in its "
+                                   "model's context (device), parked in host RAM (host), or nowhere (empty).",
+                                   labels=["kv"])
+        for place in KV_PLACES:
+            agents.add_metric([place], sum(a["state"] == place for a in snapshot["agents"]))
+        yield agents
+
+    @staticmethod
+    def kv(daemon: Daemon, counters: dict[str, int]) -> Iterator[Metric]:
+        yield counter("appliance_kv_swaps", "KV swaps: a live conversation's state parked in host RAM to make "
+                      "room for another agent's.", counters["kv_swaps"])
+        yield counter("appliance_kv_swap_bytes", "Bytes of KV state parked in host RAM by swaps.",
+                      counters.get("kv_swap_bytes", 0))
+        yield counter("appliance_kv_restores", "KV restores: an agent's parked state copied back into its model's "
+                      "context.", counters["kv_restores"])
+        yield counter("appliance_kv_restore_bytes", "Bytes of KV state restored from host RAM.",
+                      counters.get("kv_restore_bytes", 0))
+        yield counter("appliance_kv_swap_seconds", "Engine time spent moving KV state (parking the live state "
+                      "and restoring the attached one; one attach does both).", daemon.kv_swap_seconds)
+        yield counter("appliance_host_kv_drops", "Parked KV states dropped to stay within host_kv_budget.",
+                      counters["host_kv_drops"])
+        yield counter("appliance_host_kv_rebuilds", "Decodes that re-evaluated an agent's tokens because its "
+                      "parked state had been dropped.", counters["host_kv_rebuilds"])
+        yield counter("appliance_ledger_denials", "Model loads the VRAM ledger refused (VRAM_LEDGER_DENY).",
+                      counters["denials"])
+
+    @staticmethod
+    def gateway(daemon: Daemon) -> Iterator[Metric]:
+        running = daemon.decoding
+        waiting = max(0, daemon.generating - running)
+        yield gauge(GIE_WAITING, "Generation requests waiting for the engine thread (inference-gateway "
+                    "TotalQueuedRequests).", waiting)
+        yield gauge(GIE_RUNNING, "Generation requests decoding on the engine thread now (inference-gateway "
+                    "TotalRunningRequests).", running)
+        yield gauge(GIE_KV_USAGE, "KV cells in use over the cells of the loaded models' contexts, 0-1 "
+                    "(inference-gateway KVCacheUtilization).", kv_cache_usage(daemon))
+
+    @staticmethod
+    def traffic(appliance: Appliance, daemon: Daemon) -> Iterator[Metric]:
+        connections = CounterMetricFamily("appliance_connections", "Socket connections served, by the protocol "
+                                          "their first bytes spoke.", labels=["protocol"])
+        for protocol in PROTOCOLS:
+            connections.add_metric([protocol], daemon.connections[protocol])
+        yield connections
+        yield gauge("appliance_connections_open", "Open connections of every surface (what max_connections "
+                    "caps).", appliance.open_connections())
+        errors = CounterMetricFamily("appliance_errors", "P4 errors sent to clients (denials included), by surface "
+                                     "and code.", labels=["surface", "code"])
+        for (surface, code), count in sorted(daemon.errors.items()):
+            errors.add_metric([surface, code], count)
+        yield errors
+        reloads = CounterMetricFamily("appliance_reloads", "Config reloads by result.", labels=["result"])
+        results = appliance.reloader.results if appliance.reloader is not None else {}
+        for result in RELOAD_RESULTS:
+            reloads.add_metric([result], results.get(result, 0))
+        yield reloads
+
+
+class ApplianceMetrics:
+    """One appliance's registry: the :class:`DaemonCollector` and the request metrics its observer feeds."""
+
+    def __init__(self, appliance: Appliance) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(DaemonCollector(appliance))
+        labels = ["model", "surface"]
+        self.requests = Counter("appliance_requests", "Generation requests by model, surface and outcome "
+                                "(ok, error, cancelled).", [*labels, "outcome"], registry=self.registry)
+        self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens evaluated (prefill).", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("appliance_generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry)
+        self.latency = Histogram("appliance_request_duration_seconds", "Completed generation requests' duration, "
+                                 "as their surface saw it (waiting included).", labels, buckets=LATENCY_BUCKETS_S,
+                                 registry=self.registry)
+        self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from a generation's start on the "
+                              "engine to its first token (its prefill).", labels, buckets=TTFT_BUCKETS_S,
+                              registry=self.registry)
+
+    def observe(self, record: RequestRecord) -> None:
+        """One finished request (called by ``daemon.requests``; never raises into the request's path)."""
+        try:
+            labels = (record.model, record.surface)
+            self.requests.labels(*labels, record.outcome).inc()
+            self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
+            self.generation_tokens.labels(*labels).inc(record.generated_tokens)
+            if record.outcome == "ok":
+                self.latency.labels(*labels).observe(record.elapsed_s)
+            if record.ttft_s is not None:
+                self.ttft.labels(*labels).observe(record.ttft_s)
+        except Exception:
+            log.exception("metrics: a request record could not be counted")
+
+
+_BY_DAEMON: weakref.WeakKeyDictionary[Daemon, ApplianceMetrics] = weakref.WeakKeyDictionary()
+
+
+def attach(appliance: Appliance) -> ApplianceMetrics | None:
+    """The metrics of ``appliance``'s daemon, made (and its request observer added) on the first call; None
+    before the daemon exists."""
+    daemon = appliance.daemon
+    if daemon is None:
+        return None
+    metrics = _BY_DAEMON.get(daemon)
+    if metrics is None:
+        metrics = _BY_DAEMON[daemon] = ApplianceMetrics(appliance)
+        daemon.requests.observers.append(metrics.observe)
+    return metrics
+
+
+async def metrics_page(request: Request) -> Response:
+    metrics = attach(request.app.state.appliance)
+    if metrics is None:
+        return Response("", media_type="text/plain")
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encode(metrics.registry), headers={"Content-Type": content_type})
+
+
+routes: list[BaseRoute] = [Route("/metrics", metrics_page, methods=["GET"])]

@@ -151,6 +151,22 @@ def test_max_tokens_clamps_to_the_room_left_in_the_context(runtime: Runtime) -> 
     assert len(conv.tokens) == n_ctx
 
 
+def test_a_context_below_llama_cpps_minimum_is_bounded_by_the_configured_size(tiny_model: Path) -> None:
+    """llama.cpp rounds a 64-token context up to 256; the conversation is still bounded by the 64 configured
+    (a longer prompt is CONTEXT_OVERFLOW, not a crash in the token buffer)."""
+    small = Engine(1).load(tiny_model, n_ctx=64, n_gpu_layers=0)
+    try:
+        assert small.n_ctx == 64
+        with pytest.raises(ApplianceError) as info:
+            small.generate(fresh(small), " the" * 100, 4, GREEDY)
+        assert info.value.code == "CONTEXT_OVERFLOW" and info.value.details["n_ctx"] == 64
+        conv = fresh(small)
+        assert small.generate(conv, " the" * 40, 100, GREEDY).stop_reason == "length"
+        assert len(conv.tokens) == 64
+    finally:
+        small.close()
+
+
 def test_the_longest_piece_bounds_the_prompt_bytes(runtime: Runtime) -> None:
     vocab = llama_cpp.llama_vocab_n_tokens(runtime.llm._model.vocab)
     assert runtime.longest_piece == max(len(runtime.piece(t)) for t in range(vocab))

@@ -57,7 +57,9 @@ class Runtime(LiveSlot):
         except Exception as exc:  # llama.cpp reports a bad file as ValueError or RuntimeError
             raise ApplianceError("MODEL_LOAD_FAILED", f"cannot load {path.name}: {exc}",
                                  {"path": str(path)}) from exc
-        self.n_ctx = self.llm.n_ctx()
+        # The configured size bounds every conversation: llama.cpp may round its context up (to 256 at least),
+        # but llama-cpp-python sizes its token buffer by the n_ctx it was given.
+        self.n_ctx = min(n_ctx, self.llm.n_ctx())
         self.eos = self.llm.token_eos()
         self.live: Conversation | None = None
         self._pieces: dict[int, bytes] = {}

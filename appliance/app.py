@@ -228,7 +228,7 @@ class Appliance:
         reload too."""
         config = load_config(path, data_dir=data_dir, socket_path=socket_path)
         ensure_demo_models(config)  # a missing model file is fine when the config says how to generate it
-        appliance = cls(config, config_path=Path(path), **kwargs)
+        appliance = cls(config, config_path=Path(os.path.abspath(path)), **kwargs)  # symlinks kept: watched as such
         appliance.overrides = {"data_dir": data_dir, "socket_path": socket_path}
         return appliance
 

@@ -188,7 +188,8 @@ def test_moving_the_socket_serves_the_new_path_and_finishes_connections_on_the_o
             assert session.ask("REGISTER a demo").startswith("OK")
             new_path = old_path.with_name("b.sock")
             rewrite(app, demo, model_dir, socket={"path": str(new_path)})
-            wait_for(lambda: app.socket == new_path, 10, "the socket moved")
+            wait_for(lambda: len(reloads(app)) == 1, 10, "the reload recorded")
+            assert app.socket == new_path
             assert not old_path.exists() and new_path.is_socket()
             assert app.line("LIST").startswith("OK")  # through the new path
             assert decode_text(session.ask("DECODE a 4 Hello"))  # the old connection goes on

@@ -39,6 +39,7 @@ PURE = [
     "engine.interface",
     "engine.streamtext",
     "engine.worker",
+    "engine.schedule",
     "supervisor.plan",
     "supervisor.record",
 ]

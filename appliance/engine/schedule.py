@@ -1,0 +1,61 @@
+"""Which sequences advance in one batched decode step, and by how many tokens. Pure: no llama.cpp.
+
+:class:`~appliance.engine.batched.BatchedContext` asks :func:`plan_step` once per step. The rule keeps streams
+smooth (issue #11, continuous batching): every generating sequence gets its one decode token first, then the
+sequences still prefilling their prompts share what is left of the batch in the order they joined, each a chunk
+of at most what remains. So a long prompt is prefilled over several steps, between the other sequences' decode
+tokens, and never stalls their streams; a short prompt that joins behind it waits until the long one is in.
+``prefill_limit`` bounds the prompt tokens of a step in which some sequence is generating (a step's time grows
+with its tokens, and that time is the streams' gap between two tokens); with no stream waiting, prompts take the
+whole batch (the quickest first token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """A sequence's pending work: ``pending`` tokens not evaluated yet; a ``generating`` sequence has sampled
+    at least one token, and its one pending token is that last sampled token."""
+
+    seq_id: int
+    pending: int
+    generating: bool
+
+
+@dataclass(frozen=True)
+class Take:
+    """``count`` of a sequence's pending tokens go into this step's batch; ``last``: they include its final
+    pending token, so the batch outputs logits there and the sequence samples its next token after the step."""
+
+    seq_id: int
+    count: int
+    last: bool
+
+
+def plan_step(work: Sequence[Work], n_batch: int, prefill_limit: int | None = None) -> list[Take]:
+    """The takes of one step for ``work`` (in join order), at most ``n_batch`` tokens in all: one token for each
+    generating sequence first, then prompt chunks in join order with the room left (at most ``prefill_limit``
+    prompt tokens if some sequence generates in this step). Sequences with nothing pending take nothing;
+    generating sequences beyond ``n_batch`` wait for the next step."""
+    if n_batch < 1:
+        raise ValueError("n_batch must be at least 1")
+    if prefill_limit is not None and prefill_limit < 1:
+        raise ValueError("prefill_limit must be at least 1")
+    takes: list[Take] = []
+    room = n_batch
+    for item in work:
+        if item.generating and item.pending > 0 and room > 0:
+            takes.append(Take(item.seq_id, 1, item.pending == 1))
+            room -= 1
+    if takes and prefill_limit is not None:
+        room = min(room, prefill_limit)
+    for item in work:
+        if not item.generating and item.pending > 0 and room > 0:
+            count = min(item.pending, room)
+            takes.append(Take(item.seq_id, count, count == item.pending))
+            room -= count
+    return takes

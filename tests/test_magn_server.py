@@ -103,7 +103,8 @@ def test_client_disconnect_mid_stream_cancels_its_generation(model_dir: Path) ->
         assert isinstance(peer.read_token(), m.StreamToken)
         peer.close()
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (daemon.agents or daemon.models["tiny"].inflight):
+        while time.monotonic() < deadline and (daemon.agents or daemon.models["tiny"].inflight
+                                               or daemon.ledger.allocated):  # the unload ends with the ledger
             time.sleep(0.05)
         # The session's agent belonged to the connection: nothing is left behind (R3).
         assert not daemon.agents and daemon.models["tiny"].inflight == 0

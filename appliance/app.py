@@ -197,6 +197,7 @@ class Appliance:
         self.config_path = config_path
         self.overrides: dict[str, Path | None] = {"data_dir": None, "socket_path": None}
         self.config_sha256 = file_sha256(config_path)
+        self._loaded_sha256 = self.config_sha256  # of the file the last reload read (applied with it)
         self.started_at = time.time()
         self.csrf_token = secrets.token_urlsafe(32)  # the admin page's CSRF token (appliance.http.security)
         self.session_secret = secrets.token_bytes(32)  # keys the admin login's session cookie
@@ -433,7 +434,7 @@ class Appliance:
             await asyncio.to_thread(ensure_demo_models, new)
         effective = keep_restart_settings(new, old)
         self.config = effective
-        self.config_sha256 = getattr(self, "_loaded_sha256", self.config_sha256)
+        self.config_sha256 = self._loaded_sha256
         done.extend(self.daemon.apply_config(effective))
         self.apply_log_level()
         if plan.add_models:

@@ -23,6 +23,7 @@ from uvicorn.server import ServerState
 
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.assets import web_dir
+from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
 from appliance.http.security import Guard
 
 if TYPE_CHECKING:
@@ -54,36 +55,6 @@ def health_document(appliance: Appliance) -> dict:
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
             "socket": str(appliance.config.socket.path),
             "version": appliance.version}
-
-
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
-"""OpenAI's ``error.type`` for an HTTP status (anything else, 5xx: ``server_error``)."""
-RETRY_AFTER_S = 1
-"""``Retry-After`` on a retryable 429 or 503 (a ledger denial, the connection cap, shutting down)."""
-
-
-def error_body(error: ApplianceError) -> dict[str, Any]:
-    """The P4 error (``code``, ``message``, ``retryable``, ``details``) with OpenAI's envelope fields beside it
-    (``type``, ``param``; ``code`` and ``message`` are shared), so the official clients read it too."""
-    body = error.to_dict()
-    body["type"] = OPENAI_TYPES.get(error.http_status, "server_error")
-    body["param"] = error.details.get("param")
-    return {"error": body}
-
-
-def error_response(error: ApplianceError, request: Request | None = None) -> JSONResponse:
-    """The one mapping from an :class:`ApplianceError` to an HTTP response, for every route; with the ``request``
-    it answers, the error is counted for the metrics (``appliance_errors_total{surface="http"}``)."""
-    if request is not None:
-        daemon = request.app.state.appliance.daemon
-        if daemon is not None:
-            daemon.errors["http", error.code] += 1
-    headers = {}
-    if error.retryable and error.http_status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
 async def appliance_error(request: Request, exc: Exception) -> JSONResponse:

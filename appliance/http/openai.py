@@ -44,7 +44,7 @@ from appliance.engine.chat import ChatTemplate, Turn, read_chat_template, render
 from appliance.engine.interface import Token
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
-from appliance.http.app import error_body
+from appliance.http.errors import error_body
 from appliance.server.outcome import error_of, generate
 from appliance.server.pump import TokenPump
 

@@ -24,6 +24,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from appliance.errors import ApplianceError
+from appliance.http.errors import error_response
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -110,8 +111,6 @@ class Guard:
         request = Request(scope)
         error = refusal(request, self.appliance)
         if error is not None:
-            from appliance.http.app import error_response
-
             response: Response = error_response(error, request)
             if error.code == "UNAUTHORIZED" and wants_page(request):
                 response = RedirectResponse(LOGIN_PATH, status_code=303)

@@ -9,6 +9,7 @@ import os
 import platform
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,15 @@ def tiny_model(model_dir: Path, *, layers: int, dim: int, heads: int | None = No
         write_tiny_model(path, layers=layers, dim=dim, heads=heads, kv_heads=kv_heads, ff=ff,
                          n_ctx_train=n_ctx_train, seed=seed, dtype=dtype)
     return path
+
+
+@dataclass(frozen=True)
+class ContextThreads:
+    """The thread counts a llama.cpp context of the appliance's engine uses (llama-cpp-python's and
+    ``llama_cpp.server``'s runs are given the same)."""
+
+    n_threads: int
+    n_threads_batch: int
 
 
 def machine() -> dict[str, Any]:

@@ -41,8 +41,15 @@ from typing import Any
 import httpx
 import llama_cpp
 
-from appliance.engine.runtime import Runtime
-from benchmarks.common import add_output_args, default_threads, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import (
+    ContextThreads,
+    add_output_args,
+    default_threads,
+    fill_defaults,
+    finish,
+    machine,
+    tiny_model,
+)
 from benchmarks.protocol.inprocess import ComputeThread
 from benchmarks.protocol.measure import ms, quantiles_ms, rounds
 from benchmarks.protocol.servers import (
@@ -331,9 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              str(state / "appliance.yaml")], state / "appliance.log")
         procs.append(appliance)
         compute = ComputeThread(args.threads)
-        rt = compute.call(lambda: Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads))
-        params = rt.llm.context_params  # the library and llama_cpp.server get the engine's context parameters
-        compute.call(rt.close)
+        params = ContextThreads(args.threads, args.threads)  # the library and llama_cpp.server: the engine's threads
         llm = compute.call(lambda: llama_cpp.Llama(
             model_path=str(model), n_ctx=args.n_ctx, n_batch=n_batch, n_threads=params.n_threads,
             n_threads_batch=params.n_threads_batch, n_gpu_layers=0, seed=0, verbose=False))

@@ -60,29 +60,37 @@ def random_tokens(n: int, n_vocab: int, seed: int) -> list[int]:
     return [1, *(int(t) for t in rng.integers(3, n_vocab, n - 1))]
 
 
-def last_logits(rt: Runtime) -> np.ndarray:
-    ptr = llama_cpp.llama_get_logits_ith(rt.llm.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(rt.llm.n_vocab(),)).copy()
+def last_logits(rt: Runtime, conv: Conversation) -> np.ndarray:
+    """The logits ``conv`` sampled its last token from (in the step that sampled it)."""
+    assert rt.context is not None and conv.seq is not None
+    return rt.context.logits(conv.seq)
 
 
-def continue_greedy(rt: Runtime, conv: Conversation, n: int) -> tuple[list[int], np.ndarray]:
-    """Generate ``n`` greedy tokens for the live ``conv``; return them and the logits behind the first."""
+def continue_greedy(rt: Runtime, conv: Conversation, n: int) -> tuple[list[int], np.ndarray, bool]:
+    """Generate ``n`` greedy tokens for ``conv``; return them, the logits behind the first, and whether its state
+    came back from host RAM."""
     first: list[np.ndarray] = []
 
     def on_token(tok: Token) -> None:
         if tok.index == 0:
-            first.append(last_logits(rt))
+            first.append(last_logits(rt, conv))
 
-    gen = rt.generate(conv, "", n, GREEDY, on_token=on_token)
+    request = rt.begin(conv, "", n, GREEDY, on_token=on_token)
+    if request is None:
+        raise RuntimeError("no free sequence")
+    while not request.done:
+        rt.step()
+    if request.error is not None:
+        raise request.error
     if not first:
         raise RuntimeError("generation produced no token")
-    return list(gen.tokens), first[0]
+    return list(request.out), first[0], request.restored
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim, dtype="f16", n_ctx_train=8192)
     shape = read_model_shape(model)
-    rt = Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads)
+    rt = Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads, live_slots=1)
     try:
         return measure(rt, args, model, shape.weight_bytes)
     finally:
@@ -90,34 +98,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(rt: Runtime, args: argparse.Namespace, model: Path, weight_bytes: int) -> dict[str, Any]:
-    n_vocab = rt.llm.n_vocab()
+    n_vocab = rt.weights.n_vocab
     if args.tokens + 1 + CHECK_TOKENS > rt.n_ctx:
         raise SystemExit(f"--tokens {args.tokens} needs n_ctx >= {args.tokens + 1 + CHECK_TOKENS}")
+    assert rt.context is not None
 
     # Agent A fills its context: `tokens` prompt tokens evaluated, one token sampled.
     a = Conversation(tokens=random_tokens(args.tokens, n_vocab, seed=1))
-    rt.attach(a)
     prefill_s = timed(lambda: rt.generate(a, "", 1, GREEDY))
-    if rt.llm.n_tokens != args.tokens:
-        raise RuntimeError(f"expected {args.tokens} evaluated tokens, have {rt.llm.n_tokens}")
+    if a.seq is None or rt.context.cells(a.seq) != args.tokens:
+        raise RuntimeError(f"expected {args.tokens} evaluated tokens")
 
-    # Snapshot A (an evict: it leaves the live context untouched), then the uninterrupted reference.
-    rt.save(a)
-    a.where = "device"
-    snapshot = bytes(a.buffer[: a.nbytes]) if a.buffer is not None else b""
-    snap_tokens, snap_evaluated = list(a.tokens), a.n_evaluated
-    ref_tokens, ref_logits = continue_greedy(rt, a, CHECK_TOKENS)
+    # Snapshot A (its resting sequence's state copied; the cells stay), then the uninterrupted reference.
+    snapshot = rt.context.state(a.seq)
+    snap_tokens, snap_evaluated = list(a.tokens), rt.context.cells(a.seq)
+    ref_tokens, ref_logits, restored = continue_greedy(rt, a, CHECK_TOKENS)
+    if restored:
+        raise RuntimeError("the reference run went through a restore")
+    rt.detach(a)
 
-    # Another agent decodes in between (A is evicted, the context cleared and reused), then A2 = A at the
-    # snapshot comes back through restore.
+    # Another agent decodes in between, then A2 = A at the snapshot comes back through restore.
     b = Conversation(tokens=random_tokens(min(300, args.tokens), n_vocab, seed=2))
-    rt.attach(b)
     rt.generate(b, "", 1, GREEDY)
     a2 = Conversation(tokens=snap_tokens, n_evaluated=snap_evaluated, where="host",
                       buffer=bytearray(snapshot), nbytes=len(snapshot))
-    if not rt.attach(a2).restored:
-        raise RuntimeError("attach did not restore the parked conversation")
+    if not rt.slots.restore(a2) or a2.where != "device":
+        raise RuntimeError("the parked conversation was not restored")
     kv_bytes = a2.nbytes
+
+    # llama-cpp-python's own whole-context state calls, on the same model and prompt, for comparison.
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=args.n_ctx, n_threads=args.threads,
+                          n_batch=min(512, args.n_ctx), seed=0, verbose=False)
+    llm.eval(snap_tokens[:snap_evaluated])
 
     # Timing rounds, interleaved: memcpy, llama-cpp-python save/load_state, ours (last, so the KV that the
     # correctness check below resumes from went through our path).
@@ -131,32 +143,33 @@ def measure(rt: Runtime, args: argparse.Namespace, model: Path, weight_bytes: in
     ours_save: list[float] = []
     ours_restore: list[float] = []
     lcp_state_bytes = 0
-    for _ in range(args.repeats):
-        cp_numpy.append(timed(lambda: np.copyto(dst, src)))
-        cp_memmove.append(timed(lambda: ctypes.memmove(dst.ctypes.data, src.ctypes.data, kv_bytes)))
+    try:
+        for _ in range(args.repeats):
+            cp_numpy.append(timed(lambda: np.copyto(dst, src)))
+            cp_memmove.append(timed(lambda: ctypes.memmove(dst.ctypes.data, src.ctypes.data, kv_bytes)))
 
-        start = time.perf_counter()
-        state = rt.llm.save_state()
-        lcp_save.append(time.perf_counter() - start)
-        lcp_load.append(timed(lambda s=state: rt.llm.load_state(s)))
-        lcp_state_bytes = int(state.llama_state_size)
-        del state
+            start = time.perf_counter()
+            state = llm.save_state()
+            lcp_save.append(time.perf_counter() - start)
+            lcp_load.append(timed(lambda s=state: llm.load_state(s)))
+            lcp_state_bytes = int(state.llama_state_size)
+            del state
 
-        ours_save.append(timed(lambda: rt.save(a2)))
-        ours_restore.append(timed(lambda: rt.restore(a2)))
-        a2.where = "device"
-        if a2.nbytes != kv_bytes or rt.llm.n_tokens != snap_evaluated:
-            raise RuntimeError("a save/restore cycle changed the conversation's size")
+            ours_save.append(timed(lambda: rt.park(a2)))
+            ours_restore.append(timed(lambda: rt.slots.restore(a2)))
+            if a2.nbytes != kv_bytes or a2.seq is None or rt.context.cells(a2.seq) != snap_evaluated:
+                raise RuntimeError("a save/restore cycle changed the conversation's size")
+    finally:
+        llm.close()
 
-    # Correctness: evict A2 for B (which decodes again), restore A2, continue greedily.
-    rt.attach(b)
+    # Correctness: park A2 for B (which decodes again), restore A2, continue greedily.
+    rt.park(a2)
     rt.generate(b, "", 1, GREEDY)
-    report = rt.attach(a2)
-    resumed_at = rt.llm.n_tokens
-    got_tokens, got_logits = continue_greedy(rt, a2, CHECK_TOKENS)
+    resumed_at = a2.n_evaluated
+    got_tokens, got_logits, restored = continue_greedy(rt, a2, CHECK_TOKENS)
     logit_diff = float(np.max(np.abs(got_logits - ref_logits)))
     tokens_equal = got_tokens == ref_tokens
-    correct = bool(report.restored and resumed_at == snap_evaluated and tokens_equal
+    correct = bool(restored and resumed_at == snap_evaluated and tokens_equal
                    and logit_diff <= LOGIT_TOLERANCE)
 
     memcpy_ms = min(median_ms(cp_numpy), median_ms(cp_memmove))
@@ -211,7 +224,7 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"{'path':<34} {'bytes/dir':>12} {'out ms':>8} {'in ms':>8} {'total ms':>9} {'GB/s':>7} {'% memcpy':>9}")
     print(f"{'memcpy (best of numpy/memmove)':<34} {cp['bytes']:>12} {cp['ms']:>8.2f} {'':>8} {cp['ms']:>9.2f} "
           f"{cp['gb_per_s']:>7.2f} {100:>8.0f}%")
-    print(f"{'appliance Runtime.save/restore':<34} {r['kv_bytes']:>12} {ours['save_ms']:>8.2f} "
+    print(f"{'appliance park/restore     ':<34} {r['kv_bytes']:>12} {ours['save_ms']:>8.2f} "
           f"{ours['restore_ms']:>8.2f} {ours['evict_restore_ms']:>9.2f} {ours['gb_per_s']:>7.2f} "
           f"{ours['pct_of_memcpy']:>8.0f}%")
     print(f"{'llama-cpp-python save/load_state':<34} {lcp['state_bytes']:>12} {lcp['save_state_ms']:>8.2f} "

@@ -51,8 +51,9 @@ def test_every_page_renders_with_its_figures(app) -> None:  # type: ignore[no-un
         "content-security-policy"]
     assert figures.format_bytes(daemon.ledger.cap) in html and figures.format_bytes(daemon.reading.total) in html
     tiny = daemon.models["tiny"]
-    assert f'<rect class="seg-model-0" x="0.0" y="0" width="{round(100 * tiny.estimate / daemon.reading.total, 3)}"' \
-        in html  # the ledger bar: the model's reservation as a share of the device
+    first = next(iter(daemon.ledger.reservations().values()))  # the model's context, then its weights
+    assert f'<rect class="seg-model-0" x="0.0" y="0" width="{round(100 * first / daemon.reading.total, 3)}"' \
+        in html  # the ledger bar: each reservation as a share of the device
     assert '<tr data-model="tiny">' in html and figures.format_bytes(tiny.estimate) in html
     assert '<tr data-agent="agent-1">' in html and "none yet" in html
     assert 'hx-get="/admin/_dashboard" hx-trigger="every 2s"' in html
@@ -77,7 +78,7 @@ def test_every_page_renders_with_its_figures(app) -> None:  # type: ignore[no-un
 
 def test_the_dashboard_shows_where_kv_lives_the_requests_and_an_idle_countdown(tiny_model: Path) -> None:
     spec = {"tiny": {"path": str(tiny_model), "idle_ttl_s": 600}}
-    with running(spec, model_dirs=[tiny_model.parent]) as app:
+    with running(spec, model_dirs=[tiny_model.parent], engine={"live_slots": 1}) as app:
         url = app.appliance.http_url
         app.call(app.daemon.register("agent-1", "tiny"))
         app.call(app.daemon.register("agent-2", "tiny"))

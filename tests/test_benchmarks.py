@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from appliance.engine.runtime import Conversation, Runtime
-from benchmarks import admission, common, kv_swap
+from appliance.engine.runtime import Conversation
+from appliance.engine.slots import Request, Slots
+from benchmarks import admission, common, kv_swap, prefix
 
 
 def run_main(main: Any, argv: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any],
@@ -129,18 +130,33 @@ def test_kv_swap_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_kv_swap_check_catches_a_corrupted_restore(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The resume check can fail: K data damaged on its way back changes the continuation's logits."""
-    original = Runtime.restore
+    original = Slots._place
 
-    def corrupting_restore(self: Runtime, conv: Conversation) -> None:
-        if conv.buffer is not None and conv.nbytes > 0:
+    def corrupting_place(self: Slots, conv: Conversation, seq_id: int, request: Request) -> None:
+        if conv.where == "host" and conv.buffer is not None and conv.nbytes > 0:
             mid = conv.nbytes // 8  # inside layer 0's K rows, past the per-cell header
             conv.buffer[mid - 4096: mid + 4096] = b"\x3c" * 8192
-        original(self, conv)
+        original(self, conv, seq_id, request)
 
-    monkeypatch.setattr(Runtime, "restore", corrupting_restore)
+    monkeypatch.setattr(Slots, "_place", corrupting_place)
     rc, r, printed = run_main(kv_swap.main, ["--quick", "--model-dir", str(tmp_path / "models")],
                               tmp_path / "kv_swap.json", capsys)
     assert rc == 1
     assert r["correctness"]["restore_correct"] is False
     assert r["correctness"]["max_abs_logit_diff"] > kv_swap.LOGIT_TOLERANCE
     assert headline_of(printed).endswith("resumed tokens DIFFER")
+
+
+def test_prefix_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With a shared system prompt the new agent evaluates only its question, and answers the same."""
+    rc, r, printed = run_main(prefix.main, ["--quick", "--model-dir", str(tmp_path / "models")],
+                              tmp_path / "prefix.json", capsys)
+    assert rc == 0 and r["answers_equal"] is True
+    cold, warm = r["without_reuse"], r["with_reuse"]
+    assert cold["prompt_evaluated"] == r["prompt_tokens"] >= r["system_tokens"]
+    assert 0 < warm["prompt_evaluated"] < 20  # the question only
+    assert len(cold["ttft_ms"]) == len(warm["ttft_ms"]) == r["repeats"]
+    assert r["ratio"] == pytest.approx(cold["median_ttft_ms"] / warm["median_ttft_ms"])
+    assert re.fullmatch(r"HEADLINE: prefix 2x128 f16, \d+-token prompt: time to first token [\d.]+ ms with a shared "
+                        r"200-token system prompt vs [\d.]+ ms without \([\d.]+x lower, target 5x\); answers equal",
+                        headline_of(printed))

@@ -161,7 +161,7 @@ def _tokens(app, agent: str, n: int, prompt: str) -> tuple[list[int], object]:  
 @pytest.mark.parametrize("other_model", ["tiny", "tiny_b"])
 def test_swap_continues_exactly_like_an_uninterrupted_run(model_dir: Path, other_model: str) -> None:
     models = {"tiny": {"path": str(model_dir / "tiny.gguf")}, "tiny_b": {"path": str(model_dir / "tiny_b.gguf")}}
-    with running(models, model_dirs=[model_dir]) as app:
+    with running(models, model_dirs=[model_dir], engine={"live_slots": 1}) as app:
         for agent, model in (("ref", "tiny"), ("a", "tiny"), ("b", other_model)):
             app.line(f"REGISTER {agent} {model}")
         reference, _ = _tokens(app, "ref", 32, "Hello world")
@@ -177,7 +177,8 @@ def test_swap_continues_exactly_like_an_uninterrupted_run(model_dir: Path, other
 
 
 def test_three_agents_interleaved_match_their_uninterrupted_runs(model_dir: Path) -> None:
-    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
+                 engine={"live_slots": 1}) as app:
         prompts = {"a": "Hello world", "b": "The cat", "c": "Numbers 1 2 3"}
         reference = {}
         for agent, prompt in prompts.items():

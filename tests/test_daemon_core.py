@@ -89,7 +89,7 @@ async def error_of(awaitable: Awaitable[Any]) -> ApplianceError:
 def test_the_engines_satisfy_the_protocols(tmp_path: Path) -> None:
     engine: EngineProtocol = FakeEngine()
     runtime: RuntimeProtocol = engine.load(tmp_path / "x.gguf", n_ctx=64, n_gpu_layers=0)
-    assert runtime.n_ctx == 64 and runtime.live is None
+    assert runtime.n_ctx == 64 and runtime.live == [] and runtime.live_slots == 1 and runtime.has_context
     engine.close()
 
 
@@ -354,7 +354,7 @@ def test_kv_swap_is_reported_and_continues_exactly(tmp_path: Path) -> None:
         runtime = daemon.models["m"].runtime
         assert runtime is not None and (runtime.saves, runtime.restores) == (2, 1)
 
-    run(tmp_path, body, models={"m": {}, "other": {}})
+    run(tmp_path, body, models={"m": {}, "other": {}}, engine={"live_slots": 1})
 
 
 def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None:
@@ -365,7 +365,7 @@ def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None
         assert one.agent is None and one.generation.text == two.generation.text == fresh_text("Hello", 6)
         assert (two.evicted, two.restored) == (None, False)  # the first one's context was dropped already
         model = daemon.models["m"]
-        assert model.runtime is not None and model.runtime.live is None
+        assert model.runtime is not None and model.runtime.live == []
         assert model.refcount == 0 and model.inflight == 0 and not daemon.agents
         await daemon.register("a", "m")
         await daemon.decode("a", 4, "Hi")
@@ -382,7 +382,7 @@ def test_stateless_requests_leave_no_conversation_behind(tmp_path: Path) -> None
         assert (await error_of(daemon.complete("ghost", 2, "Hi"))).code == "UNKNOWN_MODEL"
         assert (await error_of(daemon.complete("m", 2, ""))).code == "BAD_REQUEST"
 
-    run(tmp_path, body)
+    run(tmp_path, body, engine={"live_slots": 1})
 
 
 def test_context_overflow_is_refused_before_any_token(tmp_path: Path) -> None:

@@ -390,7 +390,7 @@ def test_jobs_queued_during_the_swap_run_on_the_new_runtime(tmp_path: Path) -> N
         await reload
         assert (await decode).generation.text == fresh_text("Hi", 4)[2:]
         await leave
-        assert a.model.runtime is not old and old.closed and a.model.runtime.live is a.conversation
+        assert a.model.runtime is not old and old.closed and a.model.runtime.live == [a.conversation]
 
     run(tmp_path, [m], body)
 

@@ -42,12 +42,10 @@ def runtime(tiny_model: Path) -> Iterator[Runtime]:
 
 
 def fresh(rt: Runtime) -> Conversation:
-    """A new conversation, attached (the previous live one is dropped)."""
-    if rt.live is not None:
-        rt.detach(rt.live)
-    conv = Conversation()
-    rt.attach(conv)
-    return conv
+    """A new conversation (the live ones are dropped: nothing to borrow a prefix from)."""
+    for conv in rt.live:
+        rt.detach(conv)
+    return Conversation()
 
 
 def streamed(rt: Runtime, conv: Conversation, prompt: str, n: int, sampling: Sampling = GREEDY,
@@ -61,9 +59,15 @@ def joined(tokens: list[Token]) -> str:
     return "".join(token.text for token in tokens)
 
 
-def kv_end(rt: Runtime) -> int:
-    """One past the last position sequence 0 holds in the live KV cells."""
-    return int(llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(rt.llm.ctx), 0)) + 1
+def kv_end(rt: Runtime, conv: Conversation) -> int:
+    """One past the last position the conversation's sequence holds in the live KV cells."""
+    assert rt.context is not None and conv.seq is not None
+    return int(llama_cpp.llama_memory_seq_pos_max(rt.context.memory, conv.seq)) + 1
+
+
+def cells(rt: Runtime, conv: Conversation) -> int:
+    assert rt.context is not None and conv.seq is not None
+    return rt.context.cells(conv.seq)
 
 
 def after(count: int) -> Callable[[], bool]:
@@ -168,7 +172,7 @@ def test_a_context_below_llama_cpps_minimum_is_bounded_by_the_configured_size(ti
 
 
 def test_the_longest_piece_bounds_the_prompt_bytes(runtime: Runtime) -> None:
-    vocab = llama_cpp.llama_vocab_n_tokens(runtime.llm._model.vocab)
+    vocab = runtime.weights.n_vocab
     assert runtime.longest_piece == max(len(runtime.piece(t)) for t in range(vocab))
     for text in ("Hello world", " the" * 50, "thethethe" * 20, "éü€😀 " * 20, "Hello" * 40):
         tokens = runtime.tokenize(text, bos=False)
@@ -180,13 +184,13 @@ def test_a_huge_prompt_is_refused_by_its_size_without_being_tokenized(runtime: R
     conv = fresh(runtime)
     runtime.generate(conv, "Hello", 4, GREEDY)
     calls: list[int] = []
-    real = runtime.llm.tokenize
+    real = runtime.weights.tokenize
 
-    def counting(data: bytes, *args: Any, **kwargs: Any) -> list[int]:
-        calls.append(len(data))
-        return real(data, *args, **kwargs)
+    def counting(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(len(text.encode()))
+        return real(text, *args, **kwargs)
 
-    monkeypatch.setattr(runtime.llm, "tokenize", counting)
+    monkeypatch.setattr(runtime.weights, "tokenize", counting)
     huge = "hello world " * 1_000_000  # 12 MB: 2 million tokens, 4 s and 500 MB to tokenize on this model
     start = time.perf_counter()
     with pytest.raises(ApplianceError) as info:
@@ -216,8 +220,8 @@ def test_a_cancelled_generation_leaves_the_conversation_as_before(runtime: Runti
         before = list(conv.tokens)
         cancelled = runtime.generate(conv, prompt, 40, Sampling(temperature=0.8, seed=3), cancelled=after(5))
         assert cancelled.stop_reason == "cancelled" and cancelled.generated_tokens == 5
-        assert conv.tokens == before and conv.n_evaluated == runtime.llm.n_tokens <= len(before)
-        assert kv_end(runtime) == runtime.llm.n_tokens  # no KV cell of the cancelled request is left
+        assert conv.tokens == before and conv.n_evaluated == cells(runtime, conv) <= len(before)
+        assert kv_end(runtime, conv) == cells(runtime, conv)  # no KV cell of the cancelled request is left
         again = runtime.generate(conv, " world", 12, GREEDY)
         assert (again.text, again.tokens, conv.tokens) == (expected.text, expected.tokens, expected_tokens)
 
@@ -240,7 +244,7 @@ def test_a_failed_generation_leaves_the_conversation_as_before(runtime: Runtime)
 
     with pytest.raises(OSError):
         runtime.generate(conv, " world", 12, GREEDY, on_token=broken)
-    assert conv.tokens == before and kv_end(runtime) == runtime.llm.n_tokens == conv.n_evaluated
+    assert conv.tokens == before and kv_end(runtime, conv) == cells(runtime, conv) == conv.n_evaluated
 
 
 def test_a_decode_failure_is_internal_without_its_text(runtime: Runtime, monkeypatch: pytest.MonkeyPatch,
@@ -249,15 +253,15 @@ def test_a_decode_failure_is_internal_without_its_text(runtime: Runtime, monkeyp
     runtime.generate(conv, "Hello", 4, GREEDY)
     before = list(conv.tokens)
 
-    def failing(tokens: list[int]) -> None:
-        raise RuntimeError("llama_decode returned -3 at /secret/path")
+    def failing(ctx: Any, batch: Any) -> int:
+        return -3
 
-    monkeypatch.setattr(runtime.llm, "eval", failing)
+    monkeypatch.setattr(llama_cpp, "llama_decode", failing)
     with pytest.raises(ApplianceError) as info:
         runtime.generate(conv, " world", 4, GREEDY)
     error = info.value.to_dict()
     assert error["code"] == "INTERNAL" and error["retryable"] is False and "secret" not in str(error)
-    assert "/secret/path" in caplog.text  # the operator's log has it
+    assert "llama_decode returned -3" in caplog.text  # the operator's log has it
     assert conv.tokens == before
 
 

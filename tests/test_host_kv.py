@@ -23,8 +23,9 @@ from appliance.daemon.hostkv import (
     per_token,
     to_drop,
 )
-from appliance.engine.fake import FakeEngine, FakeRuntime, ManualClock, fresh_text
+from appliance.engine.fake import FakeEngine, ManualClock, fresh_text
 from appliance.engine.interface import Conversation
+from appliance.engine.slots import Slots
 from appliance.server.lines import status_body
 
 # -- the pure policy ------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def test_the_auto_budget_is_a_quarter_of_physical_ram() -> None:
 def make_config(tmp_path: Path, **extra: Any) -> Config:
     doc: dict[str, Any] = {
         "data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tmp_path)],
-        "resync_interval_s": 0,
+        "resync_interval_s": 0, "engine": {"live_slots": 1},
         "models": [{"name": name, "path": str(tmp_path / f"{name}.gguf"), "vram_bytes": "1GiB"}
                    for name in ("m", "other")],
     }
@@ -119,13 +120,14 @@ def test_the_daemon_drops_the_least_recently_used_parked_state_and_never_refuses
     daemon = Daemon(config, FakeDevice("8GiB", process_used=0), engine, clock=clock)
     seen: list[dict[str, int]] = []
     during_swaps: list[int] = []  # bytes held right after each save, before any drop that follows it
-    save = FakeRuntime.save
+    park = Slots._park
 
-    def watched_save(runtime: FakeRuntime, conv: Conversation) -> None:
-        save(runtime, conv)
+    def watched_park(slots: Slots, seq_id: int) -> Conversation:
+        conv = park(slots, seq_id)
         during_swaps.append(sum(len(a.conversation.buffer or b"") for a in daemon.agents.values()))
+        return conv
 
-    monkeypatch.setattr(FakeRuntime, "save", watched_save)
+    monkeypatch.setattr(Slots, "_park", watched_park)
 
     async def decode(agent: str, prompt: str) -> DecodeResult:
         clock.advance(1)
@@ -243,7 +245,7 @@ def test_a_dropped_agent_continues_as_it_would_have_on_the_real_model(tmp_path: 
     from appliance.engine.runtime import Engine
 
     doc = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tiny_model.parent)],
-           "resync_interval_s": 0, "host_kv_budget": 1,
+           "resync_interval_s": 0, "host_kv_budget": 1, "engine": {"live_slots": 1},
            "models": [{"name": "tiny", "path": str(tiny_model), "n_ctx": 256}]}
     config = parse_config(yaml.safe_dump(doc), base_dir=tmp_path)
     daemon = Daemon(config, FakeDevice("8GiB", process_used=0), Engine(1))

@@ -32,6 +32,8 @@ PURE = [
     "daemon.policy",
     "daemon.hostkv",
     "daemon.requests",
+    "daemon.admission",
+    "engine.slots",
     "http.admin.figures",
     "engine.chat",
     "http.openai_schema",

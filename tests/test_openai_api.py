@@ -160,10 +160,13 @@ def test_a_user_conversation_evaluates_only_the_new_turn(app: Running, client: o
     record = app.daemon.requests.recent(1)[0]
     assert record.agent == "story-agent" and record.surface == "openai" and record.prompt_tokens == evaluated
 
-    # The same conversation, stateless: the whole history is evaluated (and the model says the same).
+    # The same conversation, stateless: it shares the agent's cells for the history they have in common (SPEC L10),
+    # evaluates the rest, and the model says the same.
     stateless = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0)
-    assert stateless.usage.prompt_tokens_details.cached_tokens == 0
+    shared = stateless.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= shared < stateless.usage.prompt_tokens
     assert stateless.usage.prompt_tokens > 5 * evaluated
+    assert stateless.choices[0].message.content == second.choices[0].message.content
 
     # An edited history starts the conversation over.
     edited = [{"role": "user", "content": "A different start"}, *history[1:]]

@@ -190,6 +190,16 @@ def _to_vram(value: Any) -> int | None:
     return parse_size(value)
 
 
+def _to_auto_count(value: Any) -> int | None:
+    """``auto`` (None: as many as fit) or a count of at least 1."""
+    if value == "auto":
+        return None
+    count = _to_int(value)
+    if count < 1:
+        raise ValueError(f"must be `auto` or at least 1 (got {show(value)})")
+    return count
+
+
 def _to_pair(value: Any) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and _is_int(value[1])):
         raise ValueError(f"must be a list of two integers (got {show(value)})")
@@ -217,6 +227,7 @@ VRAM = Kind("`auto` or size", _to_vram)
 DEVICE = Kind("device", parse_device)
 MODE = Kind("octal mode", parse_mode, text=True)
 PAIR = Kind("two integers", _to_pair)
+AUTO_COUNT = Kind("`auto` or integer", _to_auto_count)
 
 
 class _Required:
@@ -496,6 +507,18 @@ SETTINGS: tuple[Setting, ...] = (
         "engine.threads", INT, 0,
         "Fixed thread count; 0 = choose automatically.",
         minimum=0, maximum=1024, live=False,
+    ),
+    Setting(
+        "engine.live_slots", INT, 4,
+        "Conversations of one model decoded together in its live context (one sequence each, one llama_decode "
+        "per step); more agents park in host RAM. 1 = one at a time. A change applies to models loaded after it.",
+        minimum=1, maximum=64,
+    ),
+    Setting(
+        "engine.live_contexts", AUTO_COUNT, "auto",
+        "Live contexts on the device at once: `auto` = as many as the ledger fits (the least recently used idle one "
+        "is freed when a new one would not fit); N = at most N (1 = one live context on the device: decoding "
+        "on another model parks this one's agents and frees its context).",
     ),
     # models[]
     Setting("models[].name", STR, REQUIRED, "Model name used by clients.", check=_check_model_name),

@@ -61,6 +61,8 @@ class EngineConfig:
     warmup_runs: int
     plan_boundaries: tuple[int, int]
     threads: int  # 0 = automatic
+    live_slots: int
+    live_contexts: int | None  # None = auto
 
 
 @dataclass(frozen=True)

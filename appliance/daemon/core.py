@@ -47,6 +47,7 @@ from typing import Any, Literal
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
 from appliance.daemon import hostkv, policy
+from appliance.daemon.admission import Admission
 from appliance.daemon.devices import DeviceReading, MemoryDevice
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.daemon.requests import RequestLog
@@ -86,11 +87,23 @@ class Model:
     kv_bytes_per_token: int = 0  # the largest ratio its KV swaps showed (engine thread): sizes a state before a swap
     retired: bool = False  # removed from the config: no new users, unloaded and forgotten once unused
     file: FileIdentity | None = None  # the model file as it was when the loaded runtime was read from it
+    context_bytes: int = 0  # the ledger figure of its live context (KV cache and compute buffers), in the estimate
+    context_claimed: bool = False  # its live context is admitted (built, or being built with its load)
+    active: int = 0  # requests that claimed its live context and have not ended (it is not freed meanwhile)
+    context_used: float = 0.0  # when its live context last served a request (least recently used goes first)
+    ended: int = 0  # requests ended so far (a request waiting for a sequence retries when this moves)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # woken when a request ends or one starts
+    admission: Admission = field(default_factory=Admission)  # requests waiting to start, round-robin by queue
+    stepper: asyncio.Task[None] | None = None  # the loop that steps its live context while requests are in flight
+    serving: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a reload swaps its runtime
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def key(self) -> str:
         return self.spec.name
+
+    def __post_init__(self) -> None:
+        self.serving.set()
 
     @property
     def path(self) -> Path:
@@ -200,6 +213,11 @@ def reload_key(name: str) -> str:
     return f"{name} (reloading)"
 
 
+def context_key(name: str) -> str:
+    """The ledger key of a model's live context (its KV cache and compute buffers), apart from its weights."""
+    return f"{name} (context)"
+
+
 def vocabulary_notice(name: str) -> str:
     return f"conversation reset: model {name} was reloaded with a different vocabulary"
 
@@ -282,6 +300,8 @@ class Daemon:
         self.reports: dict[str, Callable[[], Any]] = {}  # other parts' figures for STATUS
         self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
+        self._context_lock = asyncio.Lock()  # one claim of a live context at a time (SPEC L8)
+        self._context_waiters: list[asyncio.Future[None]] = []  # claims waiting for a context to go idle
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -324,10 +344,17 @@ class Daemon:
 
     def estimate_spec(self, spec: ModelConfig) -> int:
         """The ledger figure of ``spec``: the operator's ``vram_bytes``, else the GGUF table estimate."""
+        return self.estimate_parts(spec)[0]
+
+    def estimate_parts(self, spec: ModelConfig) -> tuple[int, int]:
+        """``spec``'s ledger figure and the part of it that is its live context (KV cache + compute margin), which
+        the ledger holds apart and releases while the context is freed (SPEC L8). An operator's ``vram_bytes`` is
+        one figure: its context part is 0 (it stays reserved while the model is loaded)."""
         if spec.vram_bytes is not None:
-            return spec.vram_bytes
+            return spec.vram_bytes, 0
         shape = gguf_meta.read_model_shape(spec.path)
-        return gguf_meta.estimate(shape, spec.n_ctx, spec.cache_type).total
+        table = gguf_meta.estimate(shape, spec.n_ctx, spec.cache_type)
+        return table.total, table.kv + table.compute
 
     async def acquire(self, model: Model) -> None:
         """Make sure ``model`` is loaded: estimate -> check -> reserve -> load; any failure rolls back (L3)."""
@@ -340,22 +367,30 @@ class Daemon:
             try:
                 model.file = await asyncio.to_thread(file_identity, model.path)  # before the load
                 if model.estimate is None:
-                    model.estimate = await asyncio.to_thread(self.estimate, model)
+                    model.estimate, model.context_bytes = await asyncio.to_thread(self.estimate_parts, model.spec)
                 # A trial load in a child process (llama.cpp aborts on some bad files): off the loop and off
                 # the engine thread, before anything is reserved.
                 spec = model.spec
                 await asyncio.to_thread(self.engine.check, model.path, n_ctx=spec.n_ctx,
                                         n_gpu_layers=spec.n_gpu_layers)
-                with self.ledger.reservation(model.key, model.estimate) as pending:
-                    load = asyncio.ensure_future(self.engine.call(self._load, model))
-                    try:
-                        model.runtime = await asyncio.shield(load)
-                    except asyncio.CancelledError:
-                        # The caller went away; the load still finishes on the engine thread. Keep it:
-                        # the model stays loaded without agents and the idle sweep frees it.
-                        interrupted = True
-                        model.runtime = await load
-                    pending.commit()
+                weights = model.estimate - model.context_bytes
+                await self._claim_context(model, extra=weights)  # it is loaded with its context
+                try:
+                    with self.ledger.reservation(model.key, weights) as pending:
+                        load = asyncio.ensure_future(self.engine.call(self._load, model))
+                        try:
+                            model.runtime = await asyncio.shield(load)
+                        except asyncio.CancelledError:
+                            # The caller went away; the load still finishes on the engine thread. Keep it:
+                            # the model stays loaded without agents and the idle sweep frees it.
+                            interrupted = True
+                            model.runtime = await load
+                        pending.commit()
+                finally:
+                    if model.runtime is None:
+                        self.ledger.release(context_key(model.key))
+                        model.context_claimed = False
+                model.context_used = self.clock()
                 log.info("model %s loaded: estimate %d bytes, %.2f s", model.key, model.estimate,
                          time.perf_counter() - started)
             except ApplianceError as exc:
@@ -372,7 +407,87 @@ class Daemon:
     def _load(self, model: Model) -> RuntimeProtocol:
         model.baseline = process_bytes(self.device.read())
         spec = model.spec
-        return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
+        return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
+                                live_slots=self.config.engine.live_slots)
+
+    # -- live contexts (SPEC L8) ---------------------------------------------------------------------
+    def live_contexts(self) -> list[Model]:
+        """The models whose live context is admitted (built, or being built with the model's load)."""
+        return [m for m in self.models.values() if m.context_claimed]
+
+    async def _claim_context(self, model: Model, *, extra: int = 0) -> list[Conversation]:
+        """Reserve ``model``'s live context in the ledger (with ``extra`` bytes free beside it), within
+        ``engine.live_contexts``: the least recently used idle context of another model is freed (its agents
+        parked in host RAM) until it fits; while only busy ones stand in the way, wait for one to go idle. A
+        context that cannot fit even with every other one freed is ``VRAM_LEDGER_DENY``. Returns the
+        conversations parked on the way."""
+        parked: list[Conversation] = []
+        async with self._context_lock:
+            while True:
+                others = [m for m in self.live_contexts() if m is not model]
+                limit = self.config.engine.live_contexts
+                counted = limit is None or len(others) < limit
+                if counted and self.ledger.free >= model.context_bytes + extra:
+                    if model.context_bytes:
+                        self.ledger.try_reserve(context_key(model.key), model.context_bytes)
+                    model.context_claimed = True
+                    return parked
+                reclaimable = sum(m.context_bytes for m in others)
+                if self.ledger.free + reclaimable < model.context_bytes + extra:  # even with every other freed
+                    self.ledger.try_reserve(context_key(model.key), model.context_bytes + extra)  # the denial
+                idle = [m for m in others if m.active == 0 and m.runtime is not None]
+                if idle:
+                    victim = min(idle, key=self._context_age)
+                    parked.extend(await self._free_context(victim))
+                    continue
+                if not others:
+                    raise ApplianceError("INTERNAL", "no live context to wait for")
+                waiter = asyncio.get_running_loop().create_future()
+                self._context_waiters.append(waiter)
+                self._context_lock.release()
+                try:
+                    await waiter
+                finally:
+                    await self._context_lock.acquire()
+
+    def _context_age(self, model: Model) -> float:
+        return model.context_used
+
+    async def _free_context(self, model: Model) -> list[Conversation]:
+        """Park ``model``'s live conversations and free its context (its weights stay); releases its ledger key."""
+        runtime = model.runtime
+        if runtime is None:
+            return []
+        parked = await self.engine.call(runtime.close_context)
+        self.ledger.release(context_key(model.key))
+        model.context_claimed = False
+        log.info("model %s: live context freed (%d conversations parked in host RAM)", model.key, len(parked))
+        return parked
+
+    async def _open_context(self, model: Model) -> list[Conversation]:
+        """Make sure ``model`` (loaded, ``active``) has its live context; returns what was parked to make room."""
+        runtime = model.runtime
+        if runtime is None:
+            raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+        model.context_used = self.clock()
+        if runtime.has_context:
+            return []
+        parked = await self._claim_context(model)
+        try:
+            await self.engine.call(runtime.open_context)
+        except BaseException:
+            self.ledger.release(context_key(model.key))
+            model.context_claimed = False
+            raise
+        log.info("model %s: live context built", model.key)
+        return parked
+
+    def _context_idle(self) -> None:
+        """A model's last active request ended: wake whoever waits for a context to go idle."""
+        waiters, self._context_waiters = self._context_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def unload(self, model: Model, still: Callable[[policy.ModelView], bool] | None = None,
                      reason: str = "requested") -> bool:
@@ -388,6 +503,8 @@ class Daemon:
             finally:  # the runtime is gone from the daemon either way: so are its bytes
                 model.state = "available"
                 self.ledger.release(model.key)
+                self.ledger.release(context_key(model.key))
+                model.context_claimed = False
         log.info("model %s unloaded (%s)", model.key, reason)
         self._changed()
         return True
@@ -550,9 +667,11 @@ class Daemon:
                    prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
                    cancel: threading.Event | None, ephemeral: bool = False,
                    queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
-        """Generate on the engine thread; ``queue`` is the engine queue the job waits in (the engine serves its
-        queues round-robin: an agent's decodes, a connection's stateless requests). The job reads the model's
-        runtime when it runs: a reload queued before it may have replaced the runtime."""
+        """Generate in the model's live context: claim the context (SPEC L8), start the request on the engine
+        thread (``queue`` is the engine queue it waits in: an agent's decodes, a connection's stateless requests)
+        once a sequence is free for it, then let the model's step loop decode it together with the others
+        (SPEC L9) until it ends. The start reads the model's runtime when it runs: a reload queued before it may
+        have replaced the runtime."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
         if model.runtime is None:
@@ -562,71 +681,152 @@ class Daemon:
         owner = {id(a.conversation): a.id for a in self.agents.values()}
         dropped: list[str] = []
         moved = {"swap_bytes": 0, "restore_bytes": 0, "seconds": 0.0}  # this request's KV swap (metrics)
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[Any] = loop.create_future()
+        rebuilt = False
 
-        def work() -> DecodeResult:
+        def on_done(request: Any) -> None:  # engine thread
+            self.decoding -= 1
+            loop.call_soon_threadsafe(self._request_ended, model, ended, request)
+
+        def start() -> Any:
+            nonlocal rebuilt
             runtime = model.runtime
             if runtime is None:
                 raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
             # The agents as they are now, not at submit time: the engine may have served other queues first.
             # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
             agents = list(self.agents.copy().values())
-            parking = runtime.live
-            if parking is not None and parking is not conv:  # make room for the state this swap parks
+            rebuilt = conv.where != "device" and bool(conv.tokens)  # unless its state comes back (below)
+            restoring = conv.nbytes if conv.where == "host" else 0
+            started = time.perf_counter()
+
+            def before_park(parking: Conversation) -> None:  # make room in host RAM for the state it parks
                 reserve = hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
                                                  buffer_bytes(parking))
                 dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
-            rebuilt = conv.where == "empty" and bool(conv.tokens) and runtime.live is not conv
-            restoring = conv.nbytes if conv.where == "host" else 0
-            swap_started = time.perf_counter()
-            swap = runtime.attach(conv)
-            if swap.evicted is not None or swap.restored:
-                moved["seconds"] = time.perf_counter() - swap_started
-                moved["swap_bytes"] = 0 if swap.evicted is None else swap.evicted.nbytes
-                moved["restore_bytes"] = restoring if swap.restored else 0
-            if swap.evicted is not None:
-                ratio = hostkv.per_token(swap.evicted.nbytes, swap.evicted.n_evaluated)
+
+            request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
+                                    on_done=on_done, ephemeral=ephemeral, before_park=before_park)
+            if request is None:
+                return None
+            if request.evicted or request.restored:
+                moved["seconds"] += time.perf_counter() - started
+                moved["swap_bytes"] += sum(parked.nbytes for parked in request.evicted)
+                moved["restore_bytes"] += restoring if request.restored else 0
+            for parked in request.evicted:
+                ratio = hostkv.per_token(parked.nbytes, parked.n_evaluated)
                 model.kv_bytes_per_token = max(model.kv_bytes_per_token, ratio)
             dropped.extend(self._fit_host_kv(agents))
             self.decoding += 1
-            try:
-                generation = runtime.generate(conv, prompt, n_tokens, sampling, on_token, cancel.is_set)
-            finally:
-                self.decoding -= 1
-                if ephemeral:  # one engine hop for a stateless request: its context is dropped right here
-                    runtime.detach(conv)
-            evicted = None if swap.evicted is None else owner.get(id(swap.evicted), "~anonymous")
-            notice = None
-            if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
-                notice, agent.notice = agent.notice, None
-            return DecodeResult(agent_id, model.key, generation, evicted, swap.restored, rebuilt, tuple(dropped),
-                                notice)
+            return request
 
         model.inflight += 1
         self._running.add(cancel)
-        job = self.engine.submit(work, queue=queue)
+        request: Any = None
         try:
-            result = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            cancel.set()  # stop at the next token; wait so that nothing is left running (R3)
-            with contextlib.suppress(Exception):
-                await job
+            await model.serving.wait()  # a reload swapping the runtime
+        except BaseException:
+            self._running.discard(cancel)
+            model.inflight -= 1
             raise
+        model.active += 1
+        try:
+            parked = await self._open_context(model)
+            request = await self._admit(model, start, queue)
+            self._drive(model)
+            try:
+                await asyncio.shield(ended)
+            except asyncio.CancelledError:
+                cancel.set()  # stop at the next step; wait so that nothing is left running (R3)
+                with contextlib.suppress(Exception):
+                    await ended
+                raise
         finally:
             self._running.discard(cancel)
             model.inflight -= 1
+            model.active -= 1
+            if model.active == 0:
+                self._context_idle()
             model.last_used = self.clock()
             self.counters["host_kv_drops"] += len(dropped)
             self.counters["kv_swap_bytes"] += int(moved["swap_bytes"])
             self.counters["kv_restore_bytes"] += int(moved["restore_bytes"])
             self.kv_swap_seconds += moved["seconds"]
+        if request.error is not None:
+            raise request.error
+        generation: Generation = request.generation
+        evicted_convs = [*parked, *request.evicted]
+        evicted = None
+        if evicted_convs:
+            evicted = owner.get(id(evicted_convs[0]), "~anonymous")
+        rebuilt = rebuilt and not request.restored  # re-evaluated, or shared from a live conversation (L10)
+        notice = None
+        if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
+            notice, agent.notice = agent.notice, None
+        result = DecodeResult(agent_id, model.key, generation, evicted, request.restored, rebuilt, tuple(dropped),
+                              notice)
         self.counters["decodes"] += 1
         self.counters["host_kv_rebuilds"] += result.rebuilt
-        self.counters["tokens"] += result.generation.generated_tokens
-        self.counters["kv_swaps"] += result.evicted is not None
+        self.counters["tokens"] += generation.generated_tokens
+        self.counters["kv_swaps"] += len(evicted_convs)
         self.counters["kv_restores"] += result.restored
         if model.measured is None:
             model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
         return result
+
+    async def _admit(self, model: Model, start: Callable[[], Any], queue: Hashable) -> Any:
+        """Start a request (``start`` on the engine thread) in its turn (:class:`~appliance.daemon.admission.
+        Admission`: round-robin over the engine queues, so that a client keeping every sequence busy cannot starve
+        another); when every sequence is busy it waits for a request to end."""
+        ticket = object()
+        model.admission.join(queue, ticket)
+        try:
+            while True:
+                seen = model.ended
+                if model.admission.head() is ticket:
+                    request = await finish(self.engine.submit(start, queue=queue))
+                    if request is not None:
+                        return request
+                if model.ended == seen or model.admission.head() is not ticket:
+                    waiter = asyncio.get_running_loop().create_future()
+                    model.waiters.append(waiter)
+                    await waiter
+        finally:
+            model.admission.leave(queue, ticket)
+            self._wake(model)
+
+    def _wake(self, model: Model) -> None:
+        waiters, model.waiters = model.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _request_ended(self, model: Model, ended: asyncio.Future[Any], request: Any) -> None:
+        """A request of ``model`` ended on the engine thread (now on the loop): its caller wakes, and so does
+        every request waiting for a free sequence of the model."""
+        model.ended += 1
+        if not ended.done():
+            ended.set_result(request)
+        self._wake(model)
+
+    def _drive(self, model: Model) -> None:
+        """Make sure the model's step loop runs (a request was just started)."""
+        if model.stepper is None or model.stepper.done():
+            model.stepper = asyncio.get_running_loop().create_task(self._steps(model))
+
+    async def _steps(self, model: Model) -> None:
+        """Step the model's live context while requests are in flight: one engine job per step, in its own engine
+        queue, so that other work (new requests joining, other models' steps, loads) runs between two steps."""
+        while True:
+            runtime = model.runtime
+            if runtime is None or not runtime.busy:
+                return
+            try:
+                await self.engine.call(runtime.step, queue=("steps", model.key))
+            except Exception:  # a step's failure is its requests' (they ended with it); log anything else
+                log.exception("model %s: a decode step failed", model.key)
+                return
 
     @property
     def host_kv_budget(self) -> int:
@@ -753,11 +953,11 @@ class Daemon:
             started = time.perf_counter()
             try:
                 identity = await asyncio.to_thread(file_identity, spec.path)  # before the load: a later change shows
-                estimate = await asyncio.to_thread(self.estimate_spec, spec)
+                estimate, context_bytes = await asyncio.to_thread(self.estimate_parts, spec)
                 await asyncio.to_thread(self.engine.check, spec.path, n_ctx=spec.n_ctx,
                                         n_gpu_layers=spec.n_gpu_layers)
                 with self.ledger.reservation(reload_key(name), estimate):
-                    kept, reset = await self._replace_runtime(model, spec, estimate)
+                    kept, reset = await self._replace_runtime(model, spec, estimate, context_bytes)
             except ApplianceError as exc:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
                 log_load_failure(name, exc)
@@ -773,16 +973,24 @@ class Daemon:
             return f"{name} reloaded with a different vocabulary ({reset} agents' conversations reset)"
         return f"{name} reloaded ({kept} agents re-evaluate their tokens)"
 
-    async def _replace_runtime(self, model: Model, spec: ModelConfig, estimate: int) -> tuple[int, int]:
-        """Load ``spec`` next to the serving runtime, then install it; a new runtime that was not installed
-        (a failure, or the caller cancelled) is closed again. Returns :meth:`_install`'s counts."""
+    async def _replace_runtime(self, model: Model, spec: ModelConfig, estimate: int,
+                               context_bytes: int) -> tuple[int, int]:
+        """Load ``spec`` next to the serving runtime, let the requests in flight on the old one end (new ones
+        wait meanwhile), then install it; a new runtime that was not installed (a failure, or the caller
+        cancelled) is closed again. Returns :meth:`_install`'s counts."""
         load = asyncio.ensure_future(self.engine.call(self._load_spare, spec))
         try:
             runtime, loaded_bytes = await finish(load)
-            install = asyncio.ensure_future(self.engine.call(self._install, model, spec, estimate, runtime,
-                                                             loaded_bytes))
+            model.serving.clear()
+            while model.active > 0:
+                waiter = asyncio.get_running_loop().create_future()
+                self._context_waiters.append(waiter)
+                await waiter
+            install = asyncio.ensure_future(self.engine.call(self._install, model, spec, estimate, context_bytes,
+                                                             runtime, loaded_bytes))
             return await finish(install)
         finally:
+            model.serving.set()
             spare = job_result(load)
             if spare is not None and model.runtime is not spare[0]:
                 await finish(asyncio.ensure_future(self.engine.call(spare[0].close)))
@@ -791,11 +999,12 @@ class Daemon:
         """Load ``spec`` while the model's old runtime still serves (engine thread); returns the runtime and the
         process bytes the load added."""
         before = process_bytes(self.device.read())
-        runtime = self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers)
+        runtime = self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
+                                   live_slots=self.config.engine.live_slots)
         return runtime, max(0, process_bytes(self.device.read()) - before)
 
-    def _install(self, model: Model, spec: ModelConfig, estimate: int, runtime: RuntimeProtocol,
-                 loaded_bytes: int) -> tuple[int, int]:
+    def _install(self, model: Model, spec: ModelConfig, estimate: int, context_bytes: int,
+                 runtime: RuntimeProtocol, loaded_bytes: int) -> tuple[int, int]:
         """Put ``runtime`` in place of ``model``'s (engine thread, one job, so no decode sees a half-done swap):
         the model's ledger key takes the new estimate (then the temporary key goes: the bytes are never counted
         for neither), the old runtime closes, and each agent on the model forgets its KV state; with a different
@@ -804,8 +1013,15 @@ class Daemon:
         if old is None:
             raise ApplianceError("INTERNAL", f"model {model.key!r} was unloaded during its reload")
         same_vocabulary = old.vocabulary() == runtime.vocabulary()
-        self.ledger.adjust(model.key, estimate)
-        self.ledger.release(reload_key(model.key))
+        # The old weights' and context's keys take the new figures; the temporary key's bytes become the new
+        # context's key (the new runtime is loaded with its context), so the bytes are never counted for neither.
+        self.ledger.release(context_key(model.key))
+        self.ledger.adjust(model.key, estimate - context_bytes)
+        if context_bytes:
+            self.ledger.adjust(reload_key(model.key), context_bytes)
+            self.ledger.rename(reload_key(model.key), context_key(model.key))
+        else:
+            self.ledger.release(reload_key(model.key))
         try:
             old.close()
         except Exception:  # it is gone from the daemon either way, as in unload
@@ -813,6 +1029,9 @@ class Daemon:
         model.runtime = runtime
         model.spec = spec
         model.estimate = estimate
+        model.context_bytes = context_bytes
+        model.context_claimed = True  # the new runtime was loaded with its context
+        model.context_used = self.clock()
         model.measured = None
         model.kv_bytes_per_token = 0
         kept = 0
@@ -899,6 +1118,17 @@ class Daemon:
         self.engine.close()
         self.device.close()
 
+    def contexts(self) -> list[dict[str, Any]]:
+        """Each live context (SPEC L8): its model, its sequences in use and its ledger bytes."""
+        records = []
+        for model in self.live_contexts():
+            runtime = model.runtime
+            if runtime is None:
+                continue
+            records.append({"model": model.key, "slots": runtime.live_slots, "slots_used": len(runtime.live),
+                            "requests": model.active, "kv_bytes": model.context_bytes})
+        return records
+
     def snapshot(self) -> dict[str, Any]:
         """Everything STATUS, the admin page and metrics show, read from memory."""
         reading, ledger = self.reading, self.ledger.snapshot()
@@ -915,5 +1145,9 @@ class Daemon:
                            "admission_percent": self.config.admission_percent,
                            "over_cap": ledger.allocated > ledger.cap},
                 "host_kv": self.host_kv(),
+                "engine": {"live_slots": self.config.engine.live_slots,
+                           "live_contexts": self.config.engine.live_contexts or "auto",
+                           "contexts_live": len(self.live_contexts())},
+                "contexts": self.contexts(),
                 "models": models, "agents": agents, "counters": dict(self.counters),
                 "extra": {name: report() for name, report in self.reports.items()}}

@@ -192,6 +192,18 @@ class Ledger:
             self._allocated += delta
             return delta
 
+    def rename(self, key: str, new_key: str) -> None:
+        """Move ``key``'s reservation (its bytes and grant) to ``new_key``, which must hold none; the allocated
+        total does not change. Raises ``KeyError`` if ``key`` holds no reservation."""
+        _check_key(new_key)
+        with self._lock:
+            if key not in self._entries:
+                raise KeyError(f"ledger key {key!r} holds no reservation")
+            if new_key in self._entries:
+                raise ApplianceError("BAD_REQUEST", f"ledger key {new_key!r} already holds a reservation",
+                                     {"key": new_key})
+            self._entries[new_key] = self._entries.pop(key)
+
     def set_cap(self, new_cap: int) -> None:
         """Set the cap. Existing reservations stay even if they now add up to more than the cap; new ones are
         refused until ``allocated + nbytes <= cap`` again."""

@@ -1,7 +1,7 @@
 """Batched multi-sequence decoding on llama.cpp's low-level API: a building block of engine v2 (issue #11).
 
-NOT wired into the daemon yet: today's engine (:mod:`appliance.engine.runtime`) is one ``llama_cpp.Llama`` per
-model, one sequence at a time. Engine v2 wires this in.
+The daemon's runtime (:mod:`appliance.engine.runtime`) is one :class:`ModelWeights` and one
+:class:`BatchedContext`, whose sequences :class:`~appliance.engine.slots.Slots` hands to conversations.
 
 * :class:`ModelWeights` is one ``llama_model``, loaded once; any number of contexts are built on it.
 * :class:`BatchedContext` is one ``llama_context`` holding up to ``n_seq_max`` sequences in a unified KV cache.
@@ -50,6 +50,7 @@ to 210 / 112 / 61 ms, for the newcomer's first token at 705 / 719 / 788 ms inste
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -60,7 +61,7 @@ import llama_cpp
 import numpy as np
 
 from appliance.engine.interface import GREEDY, Sampling, StopReason
-from appliance.engine.schedule import Work, plan_step
+from appliance.engine.schedule import SeqEvent, Work, plan_step
 from appliance.errors import ApplianceError
 
 __all__ = ["BatchedContext", "ModelWeights", "SavedSequence", "SeqEvent"]
@@ -151,18 +152,27 @@ class ModelWeights:
         self._check_open()
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
+    def longest_piece(self) -> int:
+        """The most bytes one token stands for: a prompt of B bytes is at least B / longest_piece tokens, so its
+        size alone can show that it cannot fit (:func:`~appliance.engine.interface.check_prompt_size`)."""
+        self._check_open()
+        size = 256
+        buf = ctypes.create_string_buffer(size)
+        longest = 1
+        for token in range(self.n_vocab):
+            n = int(llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, False))
+            longest = max(longest, abs(n))  # a negative n is the size a piece too long for buf needs
+        return longest
 
-@dataclass(frozen=True)
-class SeqEvent:
-    """One sampled token of one sequence: ``piece`` its bytes (empty for an end-of-generation token); ``done``
-    with ``stop_reason`` (``"eos"`` or ``"length"``) on its last. Stop strings are the caller's
-    (:class:`~appliance.engine.streamtext.StreamText`)."""
-
-    seq_id: int
-    token: int
-    piece: bytes
-    done: bool
-    stop_reason: StopReason | None
+    def digest(self) -> str:
+        """A SHA-256 of every token's text in id order: equal digests, interchangeable token ids (hot reload)."""
+        self._check_open()
+        digest = hashlib.sha256()
+        for token in range(self.n_vocab):
+            text = llama_cpp.llama_vocab_get_text(self.vocab, token) or b""
+            digest.update(len(text).to_bytes(4, "little"))
+            digest.update(text)
+        return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -268,7 +278,8 @@ class BatchedContext:
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self._seqs: dict[int, _Sequence] = {}  # in join order
+        self._seqs: dict[int, _Sequence] = {}  # generating, in join order
+        self._resting: dict[int, int] = {}  # seq id -> cells, for sequences between two generations
         self._outputs: dict[int, int] = {}  # seq id -> its output row in the last step's batch
         self.last_batch = 0  # tokens in the last step's batch (at most n_batch)
         weights._contexts.append(self)
@@ -286,6 +297,7 @@ class BatchedContext:
         for seq in self._seqs.values():
             llama_cpp.llama_sampler_free(seq.sampler)
         self._seqs.clear()
+        self._resting.clear()
         self._outputs.clear()
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self.ctx)
@@ -296,8 +308,14 @@ class BatchedContext:
     # -- sequences ------------------------------------------------------------------------------------
     @property
     def sequences(self) -> list[int]:
-        """The ids of the sequences in the context (finished ones too), in join order."""
+        """The ids of the generating sequences (finished ones too, until :meth:`finish` or :meth:`cancel`), in
+        join order."""
         return list(self._seqs)
+
+    @property
+    def resting(self) -> dict[int, int]:
+        """Resting sequences: id -> cells."""
+        return dict(self._resting)
 
     def has_work(self) -> bool:
         return any(not seq.done for seq in self._seqs.values())
@@ -306,31 +324,140 @@ class BatchedContext:
         return list(self._sequence(seq_id).generated)
 
     def cells_claimed(self) -> int:
-        return sum(seq.cells() for seq in self._seqs.values())
+        """Cells the generating sequences hold or may still claim, plus the resting sequences' cells (cells one
+        sequence shares with another through :meth:`copy` count for each: an upper bound)."""
+        return sum(seq.cells() for seq in self._seqs.values()) + sum(self._resting.values())
 
     def add(self, seq_id: int, prompt_tokens: Sequence[int], sampling: Sampling = GREEDY,
-            max_tokens: int = 16) -> None:
+            max_tokens: int = 16, *, n_past: int = 0) -> None:
         """Sequence ``seq_id`` joins with ``prompt_tokens`` (prefilled over the next steps, in chunks) and will
-        generate up to ``max_tokens`` tokens with ``sampling``."""
+        generate up to ``max_tokens`` tokens with ``sampling``. With ``n_past``, the id is a resting sequence
+        (:meth:`finish`, :meth:`copy`, :meth:`load_state`) whose first ``n_past`` cells the prompt continues (its
+        cells past them are dropped)."""
         self._check_thread()
-        self._check_free(seq_id)
+        self._check_free(seq_id, resting_ok=True)
         if not prompt_tokens:
             raise ApplianceError("BAD_REQUEST", "a sequence needs at least one prompt token", {"seq_id": seq_id})
         if max_tokens < 1:
             raise ApplianceError("BAD_REQUEST", "max_tokens must be at least 1", {"max_tokens": max_tokens})
+        resting = self._resting.get(seq_id, 0)
+        if not 0 <= n_past <= resting:
+            raise ApplianceError("BAD_REQUEST", "the sequence holds fewer cells than it continues",
+                                 {"seq_id": seq_id, "n_past": n_past, "cells": resting})
         self._check_tokens(prompt_tokens)
-        self._check_room(len(prompt_tokens) + max_tokens)
-        self._seqs[seq_id] = _Sequence(seq_id, 0, list(prompt_tokens), max_tokens, sampling,
+        self._check_room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        if resting > n_past:
+            llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_past, -1)
+        self._resting.pop(seq_id, None)
+        self._seqs[seq_id] = _Sequence(seq_id, n_past, list(prompt_tokens), max_tokens, sampling,
                                        _sampler_chain(sampling))
 
     def cancel(self, seq_id: int) -> None:
-        """Remove sequence ``seq_id``: its KV cells, its sampler, its state. No other sequence changes."""
+        """Remove sequence ``seq_id`` (generating or resting): its KV cells, its sampler, its state. No other
+        sequence changes."""
         self._check_thread()
+        if seq_id in self._resting:
+            llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+            del self._resting[seq_id]
+            return
         seq = self._sequence(seq_id)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         llama_cpp.llama_sampler_free(seq.sampler)
         del self._seqs[seq_id]
         self._outputs.pop(seq_id, None)
+
+    # -- resting sequences -----------------------------------------------------------------------------
+    # A conversation between two requests: its KV cells stay in the cache, without a sampler or pending work.
+    def finish(self, seq_id: int, keep: int | None = None) -> int:
+        """End sequence ``seq_id``'s generation: it rests with its evaluated cells (the first ``keep`` of them
+        when given: a cancelled request's cells go); its tokens not evaluated yet are the caller's. Returns the
+        cells it keeps."""
+        self._check_thread()
+        seq = self._sequence(seq_id)
+        cells = seq.n_past if keep is None else max(0, min(keep, seq.n_past))
+        if cells < seq.n_past:
+            llama_cpp.llama_memory_seq_rm(self.memory, seq_id, cells, -1)
+        llama_cpp.llama_sampler_free(seq.sampler)
+        del self._seqs[seq_id]
+        self._outputs.pop(seq_id, None)
+        self._resting[seq_id] = cells
+        return cells
+
+    def cells(self, seq_id: int) -> int:
+        """The KV cells sequence ``seq_id`` holds now (0 for a free id)."""
+        seq = self._seqs.get(seq_id)
+        return seq.n_past if seq is not None else self._resting.get(seq_id, 0)
+
+    def copy(self, source: int, target: int, n: int) -> None:
+        """The free id ``target`` rests with the first ``n`` cells of ``source`` (llama.cpp's
+        ``llama_memory_seq_cp``: the cells are shared, not recomputed nor copied)."""
+        self._check_thread()
+        self._check_free(target)
+        if not 0 < n <= self.cells(source):
+            raise ApplianceError("BAD_REQUEST", "the source sequence does not hold that many cells",
+                                 {"seq_id": source, "n": n, "cells": self.cells(source)})
+        self._check_room(n)
+        llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, n)
+        self._resting[target] = n
+
+    def truncate(self, seq_id: int, keep: int) -> None:
+        """A resting sequence keeps only its first ``keep`` cells."""
+        self._check_thread()
+        cells = self._resting.get(seq_id)
+        if cells is None:
+            raise ApplianceError("BAD_REQUEST", "no resting sequence with that id", {"seq_id": seq_id})
+        if keep < cells:
+            llama_cpp.llama_memory_seq_rm(self.memory, seq_id, max(0, keep), -1)
+            self._resting[seq_id] = max(0, keep)
+
+    def state(self, seq_id: int) -> bytes:
+        """A resting sequence's KV cells as llama.cpp's per-sequence state bytes (see :meth:`load_state`)."""
+        buffer = bytearray(self.state_size(seq_id))
+        return bytes(buffer[:self.state_into(seq_id, buffer)])
+
+    def state_size(self, seq_id: int) -> int:
+        """The bytes :meth:`state_into` writes for a resting sequence."""
+        self._check_thread()
+        if seq_id not in self._resting:
+            raise ApplianceError("BAD_REQUEST", "no resting sequence with that id", {"seq_id": seq_id})
+        return int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+
+    def state_into(self, seq_id: int, buffer: bytearray) -> int:
+        """Copy a resting sequence's state straight into ``buffer`` (at least :meth:`state_size` bytes: one copy,
+        at memory bandwidth); returns the bytes written."""
+        size = self.state_size(seq_id)
+        if len(buffer) < size:
+            raise ApplianceError("INTERNAL", "the state buffer is too small", {"size": size, "buffer": len(buffer)})
+        view = (ctypes.c_uint8 * len(buffer)).from_buffer(buffer)
+        try:
+            written = int(llama_cpp.llama_state_seq_get_data(self.ctx, view, size, seq_id))
+        finally:
+            del view
+        if written == 0 and size > 0:
+            raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
+        return written
+
+    def load_state(self, seq_id: int, state: bytes | bytearray | memoryview, n_past: int) -> None:
+        """The free id ``seq_id`` rests with the ``n_past`` cells of ``state`` (from :meth:`state`); a bytearray
+        (or a view of one) is read in place, without a copy."""
+        self._check_thread()
+        self._check_free(seq_id)
+        self._check_room(n_past)
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        if n_past > 0:
+            size = len(state)
+            if isinstance(state, bytes) or (isinstance(state, memoryview) and state.readonly):
+                buffer = (ctypes.c_uint8 * size).from_buffer_copy(state)
+            else:
+                buffer = (ctypes.c_uint8 * size).from_buffer(state)
+            try:
+                read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, size, seq_id))
+            finally:
+                del buffer
+            if read == 0:
+                llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+                raise ApplianceError("INTERNAL", "llama.cpp refused the saved sequence state", {"seq_id": seq_id})
+        self._resting[seq_id] = n_past
 
     # -- parking ---------------------------------------------------------------------------------------
     def save(self, seq_id: int) -> SavedSequence:
@@ -449,11 +576,11 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "no such sequence in the context", {"seq_id": seq_id})
         return seq
 
-    def _check_free(self, seq_id: int) -> None:
+    def _check_free(self, seq_id: int, *, resting_ok: bool = False) -> None:
         if not 0 <= seq_id < self.n_seq_max:
             raise ApplianceError("BAD_REQUEST", "the sequence id is out of range",
                                  {"seq_id": seq_id, "n_seq_max": self.n_seq_max})
-        if seq_id in self._seqs:
+        if seq_id in self._seqs or (seq_id in self._resting and not resting_ok):
             raise ApplianceError("BAD_REQUEST", "the sequence id is in use", {"seq_id": seq_id})
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
@@ -462,8 +589,8 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "a prompt token is not in the vocabulary",
                                  {"token": bad[0], "n_vocab": self.weights.n_vocab})
 
-    def _check_room(self, cells: int) -> None:
-        claimed = self.cells_claimed()
+    def _check_room(self, cells: int, leaving: int | None = None) -> None:
+        claimed = self.cells_claimed() - (self._resting.get(leaving, 0) if leaving is not None else 0)
         if claimed + cells > self.n_ctx:
             raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit beside the others in the context",
                                  {"n_ctx": self.n_ctx, "claimed": claimed, "requested": cells})

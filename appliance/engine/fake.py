@@ -23,23 +23,22 @@ import threading
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Hashable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.engine.interface import (
+    GREEDY,
     Conversation,
     EngineProtocol,
     Generation,
-    LiveSlot,
     RuntimeProtocol,
     Sampling,
     StopReason,
-    SwapReport,
     Token,
-    check_prompt_size,
-    tokens_to_generate,
 )
-from appliance.engine.streamtext import StreamText
+from appliance.engine.schedule import SeqEvent
+from appliance.engine.slots import Request, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
@@ -173,30 +172,153 @@ def piece(token: int) -> str:
     return "" if token in (BOS, EOS) else chr(token)
 
 
-class FakeRuntime(LiveSlot):
-    """A loaded fake model; implements :class:`~appliance.engine.interface.RuntimeProtocol`.
+@dataclass(eq=False)
+class _FakeSequence:
+    pending: list[int]
+    max_tokens: int
+    generated: int = 0
+    done: bool = False
 
-    Its "KV cache" is the list of tokens it evaluated for the live conversation; a swap copies it into the
-    evicted conversation's host buffer (4 bytes a token) and back, with the real runtime's bookkeeping
-    (``where``, ``n_evaluated``, ``nbytes``). Generating from a KV cache that does not match the conversation's
-    tokens raises ``INTERNAL``, so a swap bug shows up as an error rather than as a plausible answer.
+
+class FakeContext:
+    """A :class:`~appliance.engine.slots.SequenceContext` without llama.cpp: each sequence's "KV cells" are the
+    tokens it evaluated, its state bytes those tokens (4 bytes each); a step "evaluates" every pending token and
+    samples :func:`next_token` (or ``EOS`` when the engine's ``eos_when`` says so) for every generating sequence."""
+
+    def __init__(self, engine: FakeEngine, *, n_ctx: int, n_seq_max: int) -> None:
+        self.engine = engine
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.kv: dict[int, list[int]] = {}  # seq id -> evaluated tokens, for every sequence holding cells
+        self.running: dict[int, _FakeSequence] = {}
+        self.steps = 0
+        self.last_batch = 0
+
+    def _room(self, cells: int, leaving: int | None = None) -> None:
+        claimed = self.cells_claimed() - (len(self.kv.get(leaving, [])) if leaving is not None else 0)
+        if claimed + cells > self.n_ctx:
+            raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit beside the others in the context",
+                                 {"n_ctx": self.n_ctx, "claimed": claimed, "requested": cells})
+
+    def add(self, seq_id: int, prompt_tokens: list[int], sampling: Sampling, max_tokens: int, *,
+            n_past: int = 0) -> None:
+        if seq_id in self.running:
+            raise ApplianceError("BAD_REQUEST", "the sequence id is in use", {"seq_id": seq_id})
+        cells = self.kv.get(seq_id, [])
+        if n_past > len(cells):
+            raise ApplianceError("BAD_REQUEST", "the sequence holds fewer cells than it continues",
+                                 {"seq_id": seq_id, "n_past": n_past, "cells": len(cells)})
+        self._room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        self.kv[seq_id] = cells[:n_past]
+        self.running[seq_id] = _FakeSequence(list(prompt_tokens), max_tokens)
+
+    def has_work(self) -> bool:
+        return any(not seq.done for seq in self.running.values())
+
+    def step(self) -> list[SeqEvent]:
+        events: list[SeqEvent] = []
+        self.last_batch = 0
+        for seq_id, seq in self.running.items():
+            if seq.done:
+                continue
+            cells = self.kv[seq_id]
+            self.last_batch += len(seq.pending)
+            cells.extend(seq.pending)
+            seq.pending = []
+            token = EOS if self.engine.eos_when(list(cells)) else next_token(cells)
+            seq.generated += 1
+            seq.pending.append(token)
+            reason: StopReason | None = "eos" if token == EOS else None
+            if reason is None and seq.generated >= seq.max_tokens:
+                reason = "length"
+            seq.done = reason is not None
+            self.engine.tokens_generated += 1
+            events.append(SeqEvent(seq_id, token, piece(token).encode("utf-8"), seq.done, reason))
+        self.steps += 1
+        return events
+
+    def finish(self, seq_id: int, keep: int | None = None) -> int:
+        del self.running[seq_id]
+        cells = self.kv[seq_id]
+        if keep is not None:
+            del cells[keep:]
+        return len(cells)
+
+    def cancel(self, seq_id: int) -> None:
+        self.running.pop(seq_id, None)
+        self.kv.pop(seq_id, None)
+
+    def cells(self, seq_id: int) -> int:
+        return len(self.kv.get(seq_id, []))
+
+    def cells_claimed(self) -> int:
+        running = sum(len(seq.pending) + (0 if seq.done else seq.max_tokens - seq.generated)
+                      for seq in self.running.values())
+        return running + sum(len(cells) for cells in self.kv.values())
+
+    def copy(self, source: int, target: int, n: int) -> None:
+        self._room(n)
+        self.kv[target] = self.kv[source][:n]
+
+    def truncate(self, seq_id: int, keep: int) -> None:
+        del self.kv[seq_id][keep:]
+
+    def state_size(self, seq_id: int) -> int:
+        return 4 * len(self.kv[seq_id])
+
+    def state_into(self, seq_id: int, buffer: bytearray) -> int:
+        data = array("i", self.kv[seq_id]).tobytes()
+        buffer[:len(data)] = data
+        return len(data)
+
+    def load_state(self, seq_id: int, state: bytes | bytearray | memoryview, n_past: int) -> None:
+        self._room(n_past)
+        cells = array("i", bytes(state)).tolist()
+        if len(cells) != n_past:
+            raise ApplianceError("INTERNAL", "fake KV state does not match its token count")
+        self.kv[seq_id] = cells
+
+
+class FakeRuntime:
+    """A loaded fake model; implements :class:`~appliance.engine.interface.RuntimeProtocol` with the real
+    runtime's :class:`~appliance.engine.slots.Slots` over a :class:`FakeContext`.
+
+    Before each step it passes the engine's :class:`Gate` (a cancelled request is reaped while it waits). A
+    conversation whose cells do not match its tokens raises ``INTERNAL`` at its next request, so a swap bug shows
+    up as an error rather than as a plausible answer.
     """
 
-    def __init__(self, engine: FakeEngine, path: Path, *, n_ctx: int) -> None:
+    longest_piece = LONGEST_PIECE
+
+    def __init__(self, engine: FakeEngine, path: Path, *, n_ctx: int, live_slots: int = 1) -> None:
         self.engine = engine
         self.path = path
         self.n_ctx = n_ctx
-        self.live: Conversation | None = None
-        self.kv: list[int] = []
+        self.live_slots = live_slots
         self.closed = False
-        self.saves = 0
-        self.restores = 0
         self.vocabulary_digest = engine.vocabulary_of(path)
+        self.context: FakeContext | None = None
+        self.slots = Slots(None, self, n_ctx=n_ctx)
+        self.open_context()
+
+    @property
+    def saves(self) -> int:
+        return self.slots.saves
+
+    @property
+    def restores(self) -> int:
+        return self.slots.restores
 
     def vocabulary(self) -> str:
         """The digest its engine's :meth:`FakeEngine.set_vocabulary` gave this file when it was loaded."""
         self._check()
         return self.vocabulary_digest
+
+    def tokenize(self, text: str, *, bos: bool) -> list[int]:
+        return tokenize(text, bos=bos)
+
+    def piece(self, token: int) -> bytes:
+        return piece(token).encode("utf-8")
 
     def _check(self) -> None:
         if self.closed:
@@ -205,102 +327,94 @@ class FakeRuntime(LiveSlot):
         if thread is not None and threading.current_thread() is not thread:
             raise ApplianceError("INTERNAL", "a runtime was used off the engine thread")
 
-    def close(self) -> None:
+    @property
+    def has_context(self) -> bool:
+        return self.context is not None
+
+    def open_context(self) -> None:
+        if self.context is None:
+            self.context = FakeContext(self.engine, n_ctx=self.n_ctx, n_seq_max=self.live_slots)
+            self.slots.context = self.context
+
+    def close_context(self) -> list[Conversation]:
         self._check()
-        self.engine.close_gate.wait()
-        self.live = None
-        self.kv = []
-        self.closed = True
+        if self.context is None:
+            return []
+        parked = self.slots.park_all()
+        self.context = None
+        self.slots.context = None
+        return parked
 
-    # -- KV swap ---------------------------------------------------------------------------------
-    def save(self, conv: Conversation) -> None:
-        data = array("i", self.kv).tobytes()
-        if conv.buffer is None or len(conv.buffer) < len(data):
-            conv.buffer = bytearray(len(data))
-        conv.buffer[: len(data)] = data
-        conv.nbytes = len(data)
-        conv.where = "host"
-        conv.n_evaluated = len(self.kv)
-        self.saves += 1
+    @property
+    def busy(self) -> bool:
+        return self.slots.busy
 
-    def restore(self, conv: Conversation) -> None:
-        self.kv = [] if conv.buffer is None else array("i", bytes(conv.buffer[: conv.nbytes])).tolist()
-        conv.n_evaluated = len(self.kv)
-        self.restores += 1
+    @property
+    def live(self) -> list[Conversation]:
+        return self.slots.live
 
-    def clear(self) -> None:
-        self.kv = []
+    @property
+    def kv(self) -> list[int]:
+        """The cells of the only live conversation (tests of one-slot runtimes)."""
+        if self.context is None or not self.context.kv:
+            return []
+        return list(next(iter(self.context.kv.values())))
 
-    def attach(self, conv: Conversation) -> SwapReport:
+    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
+              on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
+              before_park: Callable[[Conversation], None] | None = None) -> Request | None:
         self._check()
-        return super().attach(conv)
+        if self.context is None:
+            raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
+        if conv.where == "device" and conv.seq is not None and self.context.kv.get(conv.seq) != \
+                conv.tokens[:self.context.cells(conv.seq)]:
+            raise ApplianceError("INTERNAL", "fake KV cache does not match the conversation")
+        return self.slots.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
+                                on_done=on_done, ephemeral=ephemeral, before_park=before_park)
+
+    def step(self) -> list[Request]:
+        self._check()
+        if self.context is None:
+            return []
+        return self.slots.step(hold=self._hold)
+
+    def _hold(self) -> bool:
+        """Wait at the engine's gate before a step; True (hold the step) when a request was cancelled meanwhile."""
+        return not self.engine.gate.wait(self._any_cancelled)
+
+    def _any_cancelled(self) -> bool:
+        return any(r.cancelled is not None and r.cancelled() for r in self.slots.requests.values())
 
     def detach(self, conv: Conversation) -> None:
         self._check()
-        super().detach(conv)
+        self.slots.detach(conv)
 
+    def park(self, conv: Conversation) -> None:
+        self._check()
+        self.slots.park(conv)
 
-    # -- generation ------------------------------------------------------------------------------
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        """Like the real runtime (the same rules: the prompt's byte bound with a longest piece of
-        :data:`LONGEST_PIECE` bytes, ``n_tokens`` clamped to the context with ``"length"``, stream text equal to the
-        final text, a cancelled or failed request rolled back); before each token it passes the engine's
-        :class:`Gate` (or stops, cancelled)."""
-        self._check()
-        if self.live is not conv:
-            raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
-        check_prompt_size(self.n_ctx, conv, len(prompt.encode("utf-8", errors="surrogatepass")), LONGEST_PIECE)
-        new = tokenize(prompt, bos=not conv.tokens)
-        n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
-        if self.kv != conv.tokens[: len(self.kv)] or len(self.kv) != conv.n_evaluated:
-            raise ApplianceError("INTERNAL", "fake KV cache does not match the conversation")
-        start = time.perf_counter()
-        before = len(conv.tokens)
-        conv.tokens.extend(new)
-        stream = StreamText(sampling.stop)
-        out: list[int] = []
-        reason: StopReason = "length"
-        ttft: float | None = None
-        gate = self.engine.gate
-        try:
-            while len(out) < n_tokens:
-                if (cancelled is not None and cancelled()) or not gate.wait(cancelled):
-                    reason = "cancelled"
-                    break
-                self.kv.extend(conv.tokens[len(self.kv):])  # "evaluate" what is pending
-                conv.n_evaluated = len(self.kv)
-                tok = EOS if self.engine.eos_when(conv.tokens) else next_token(self.kv)
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                conv.tokens.append(tok)
-                out.append(tok)
-                self.engine.tokens_generated += 1
-                if tok == EOS:
-                    reason = "eos"
-                    held = stream.flush()
-                    if held and on_token is not None:
-                        on_token(Token(tok, held, len(out) - 1, time.time()))
-                    break
-                text = stream.push(piece(tok).encode("utf-8"), last=len(out) == n_tokens)
-                if on_token is not None:
-                    on_token(Token(tok, text, len(out) - 1, time.time()))
-                if stream.stopped:
-                    reason = "stop"
-                    break
-        except BaseException:
-            self._rollback(conv, before)
-            raise
-        if reason == "cancelled":
-            self._rollback(conv, before)
-        return Generation(stream.text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
+        request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
+        if request is None:
+            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
+        while not request.done:
+            self.step()
+        if request.error is not None:
+            raise request.error
+        assert request.generation is not None
+        return request.generation
 
-    def _rollback(self, conv: Conversation, length: int) -> None:
-        """Return ``conv`` and the fake KV cache to the conversation's first ``length`` tokens."""
-        del conv.tokens[length:]
-        del self.kv[length:]
-        conv.n_evaluated = len(self.kv)
+    def close(self) -> None:
+        self._check()
+        self.engine.close_gate.wait()
+        if self.context is not None:
+            self.slots.cancel_all(ApplianceError("SHUTTING_DOWN"))
+        self.context = None
+        self.slots.context = None
+        self.closed = True
 
 
 class FakeEngine:
@@ -374,7 +488,7 @@ class FakeEngine:
         """No child process here: a model-free daemon has nothing to trial-load. Recorded in ``checks``."""
         self.checks.append(path)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> FakeRuntime:
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> FakeRuntime:
         self.loads.append(path)
         self.load_gate.wait()
         for key in (str(path), path.name, path.stem):
@@ -382,7 +496,7 @@ class FakeEngine:
                 error = self._failures[key]
                 raise error if error is not None else ApplianceError(
                     "MODEL_LOAD_FAILED", f"cannot load {path.name}: fake failure", {"path": str(path)})
-        runtime = FakeRuntime(self, path, n_ctx=n_ctx)
+        runtime = FakeRuntime(self, path, n_ctx=n_ctx, live_slots=live_slots)
         self.runtimes.append(runtime)
         return runtime
 
@@ -394,46 +508,44 @@ class FakeEngine:
 
 
 class GatedRuntime:
-    """A runtime whose every token first passes its engine's gate and delay; everything else is delegated."""
+    """A runtime whose every step first passes its engine's gate and delay; everything else is delegated."""
 
     def __init__(self, inner: RuntimeProtocol, engine: GatedEngine) -> None:
         self.inner = inner
         self.engine = engine
 
-    @property
-    def n_ctx(self) -> int:
-        return self.inner.n_ctx
+    def step(self) -> list[Request]:
+        engine = self.engine
+        slots: Slots = self.inner.slots  # type: ignore[attr-defined]
+        if not slots.busy:
+            return []
 
-    @property
-    def live(self) -> Conversation | None:
-        return self.inner.live
+        def stop() -> bool:
+            return any(r.cancelled is not None and r.cancelled() for r in slots.requests.values())
 
-    def attach(self, conv: Conversation) -> SwapReport:
-        return self.inner.attach(conv)
+        if engine.delay_s > 0:
+            deadline = time.monotonic() + engine.delay_s
+            while not stop() and time.monotonic() < deadline:
+                time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        passed = engine.gate.wait(stop)
 
-    def detach(self, conv: Conversation) -> None:
-        self.inner.detach(conv)
+        def hold() -> bool:
+            return not passed
 
-    def close(self) -> None:
-        self.inner.close()
+        return slots.step(hold=hold)
 
-    def vocabulary(self) -> str:
-        return self.inner.vocabulary()
-
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        engine = self.engine
-        stop = cancelled or (lambda: False)
-
-        def held() -> bool:  # the runtime asks this before each token: hold it there, then answer
-            if engine.delay_s > 0:
-                deadline = time.monotonic() + engine.delay_s
-                while not stop() and time.monotonic() < deadline:
-                    time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
-            return not engine.gate.wait(stop) or stop()
-
-        return self.inner.generate(conv, prompt, n_tokens, sampling, on_token, held)
+        request = self.inner.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
+        if request is None:
+            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
+        while not request.done:
+            self.step()
+        if request.error is not None:
+            raise request.error
+        assert request.generation is not None
+        return request.generation
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -463,8 +575,9 @@ class GatedEngine:
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> GatedRuntime:
-        return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers), self)
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> GatedRuntime:
+        return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, live_slots=live_slots),
+                            self)
 
     def close(self) -> None:
         self.gate.open()

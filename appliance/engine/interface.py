@@ -7,7 +7,7 @@ only, so a test can run the whole daemon without a model.
 
 Threading contract: an engine runs every job on one worker thread of its own. :meth:`EngineProtocol.submit`
 queues a job there and returns an awaitable for the event loop; a :class:`RuntimeProtocol` is only ever touched
-from inside such a job (the daemon wraps ``attach``/``generate``/``detach``/``close`` in ``submit``/``call``).
+from inside such a job (the daemon wraps ``begin``/``step``/``detach``/``close`` in ``submit``/``call``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Generation:
     stop_reason: StopReason
     elapsed_s: float
     ttft_s: float | None
+    prompt_evaluated: int | None = None  # tokens evaluated before the first new one (shared prefixes skip some)
+    reused: int = 0  # prompt cells borrowed from another conversation (a shared prefix)
 
     @property
     def generated_tokens(self) -> int:
@@ -71,60 +73,9 @@ class Conversation:
     tokens: list[int] = field(default_factory=list)
     n_evaluated: int = 0
     where: Where = "empty"
-    buffer: bytearray | None = None
+    buffer: bytearray | None = field(default=None, repr=False)
     nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class SwapReport:
-    """What :meth:`RuntimeProtocol.attach` did: the conversation it parked in host RAM, and whether the attached
-    one came back from host RAM."""
-
-    evicted: Conversation | None
-    restored: bool
-
-
-class LiveSlot:
-    """The KV-swap bookkeeping every runtime shares: one conversation is live in the context, the others wait
-    in host RAM. A runtime provides :meth:`save` (live KV -> the conversation's host buffer), :meth:`restore`
-    (host buffer -> the context) and :meth:`clear` (forget the context's cells)."""
-
-    live: Conversation | None = None
-
-    def save(self, conv: Conversation) -> None:
-        raise NotImplementedError
-
-    def restore(self, conv: Conversation) -> None:
-        raise NotImplementedError
-
-    def clear(self) -> None:
-        raise NotImplementedError
-
-    def attach(self, conv: Conversation) -> SwapReport:
-        """Make ``conv`` the live conversation, parking the previous one in host RAM."""
-        if self.live is conv:
-            return SwapReport(None, False)
-        evicted = self.live
-        if evicted is not None:
-            self.save(evicted)
-        restored = conv.where == "host"
-        if restored:
-            self.restore(conv)
-        else:
-            self.clear()
-            conv.n_evaluated = 0
-        conv.where = "device"
-        self.live = conv
-        return SwapReport(evicted, restored)
-
-    def detach(self, conv: Conversation) -> None:
-        """Forget a conversation (its agent left); its host buffer is dropped."""
-        if self.live is conv:
-            self.clear()
-            self.live = None
-        conv.buffer = None
-        conv.nbytes = 0
-        conv.where = "empty"
+    seq: int | None = None  # the context sequence whose cells it holds while ``where`` is "device"
 
 
 def check_prompt_size(n_ctx: int, conv: Conversation, size: int, longest_piece: int) -> None:
@@ -152,34 +103,64 @@ def tokens_to_generate(n_ctx: int, conv: Conversation, new: list[int], n_tokens:
 
 
 class RuntimeProtocol(Protocol):
-    """One loaded model with one live context that the conversations of its agents take turns in.
+    """One loaded model: its weights, at most one live multi-sequence context, and the conversations of its agents
+    in that context's sequences (:class:`~appliance.engine.slots.Slots`).
 
     Every method runs on the engine's worker thread.
     """
 
     @property
     def n_ctx(self) -> int:
-        """The context length in tokens; a generation that would exceed it raises ``CONTEXT_OVERFLOW``."""
+        """One conversation's bound in tokens; a generation that would exceed it raises ``CONTEXT_OVERFLOW``."""
         ...
 
     @property
-    def live(self) -> Conversation | None:
-        """The conversation whose KV state is in the context now."""
+    def live_slots(self) -> int:
+        """Sequences its context holds: conversations decoded together."""
         ...
 
-    def attach(self, conv: Conversation) -> SwapReport:
-        """Make ``conv`` the live conversation, parking the previous one's KV state in host RAM."""
+    @property
+    def has_context(self) -> bool:
+        """Its live context exists (the daemon opens and closes it apart from the weights, SPEC L8)."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """A request is in flight: :meth:`step` has work."""
+        ...
+
+    @property
+    def live(self) -> list[Conversation]:
+        """The conversations whose KV cells are in the context now."""
+        ...
+
+    def open_context(self) -> None:
+        """Build the live context (no-op when it exists)."""
+        ...
+
+    def close_context(self) -> list[Conversation]:
+        """Park every live conversation in host RAM and free the context (no request may be in flight)."""
+        ...
+
+    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = ..., *,
+              on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              on_done: Callable[[Any], None] | None = None, ephemeral: bool = False,
+              before_park: Callable[[Conversation], None] | None = None) -> Any:
+        """Start a request (:meth:`appliance.engine.slots.Slots.begin`); None when it must wait for a sequence."""
+        ...
+
+    def step(self) -> list[Any]:
+        """One batched decode of every request in flight; the requests that ended."""
         ...
 
     def detach(self, conv: Conversation) -> None:
         """Forget ``conv`` (its agent left, or a stateless request ended); its host buffer is dropped."""
         ...
 
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = ...,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        """Continue the attached ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens, calling ``on_token``
-        for each and asking ``cancelled`` before each (``stop_reason="cancelled"`` when it says so)."""
+        """One request run to its end alone (tests, benchmarks)."""
         ...
 
     def vocabulary(self) -> str:
@@ -217,8 +198,9 @@ class EngineProtocol(Protocol):
         worker thread. Raises ``MODEL_LOAD_FAILED`` with the reason."""
         ...
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> RuntimeProtocol:
-        """Load a model on the calling thread (use through :meth:`call`); raises ``MODEL_LOAD_FAILED``."""
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> RuntimeProtocol:
+        """Load a model with its live context on the calling thread (use through :meth:`call`); raises
+        ``MODEL_LOAD_FAILED``."""
         ...
 
     def close(self) -> None:

@@ -1,252 +1,165 @@
-"""The engine: a thin shell over llama-cpp-python.
+"""The engine: a thin shell over llama-cpp-python's low-level API (engine v2, SPEC L8-L10).
 
 All llama.cpp work of a device happens on one worker thread (:class:`Engine`), so the event loop never
-blocks on a model and llama.cpp contexts are never touched by two threads. A :class:`Runtime` is one loaded
-GGUF with one live context; agents' conversations (:class:`Conversation`) take turns in it, the others'
-KV state parked in host RAM through llama.cpp's per-sequence state API into reusable buffers.
+blocks on a model and llama.cpp contexts are never touched by two threads (and one OpenMP pool serves them all).
+A :class:`Runtime` is one GGUF's weights (:class:`~appliance.engine.batched.ModelWeights`, loaded once) and at
+most one live multi-sequence context (:class:`~appliance.engine.batched.BatchedContext`), which the daemon opens
+and closes apart from the weights (``engine.live_contexts``). Its agents' conversations hold the context's
+sequences (``engine.live_slots`` of them) and are decoded together, one ``llama_decode`` per step; the others'
+KV state waits in host RAM (:class:`~appliance.engine.slots.Slots`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
-import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
-
 from appliance.engine import modelcheck
+from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
     Conversation,
     Generation,
-    LiveSlot,
     Sampling,
     StopReason,
-    SwapReport,
     Token,
     Where,
-    check_prompt_size,
-    tokens_to_generate,
 )
-from appliance.engine.streamtext import StreamText
+from appliance.engine.slots import Request, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
-__all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "SwapReport",
-           "Token", "Where"]
+__all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "Token", "Where"]
+
+PREFILL_LIMIT = 64
+"""Prompt tokens a step may add beside running streams (:class:`~appliance.engine.batched.BatchedContext`'s
+``prefill_limit``): measured on the 12-layer 768-wide model, a 448-token prompt joining a stream kept that stream's
+gap under 112 ms (690 ms when prefilled in one step), for 27 ms more to the newcomer's first token."""
+MAX_BATCH = 512
 
 log = logging.getLogger(__name__)
 
 
-class Runtime(LiveSlot):
-    """One loaded model with one live context, shared by the conversations of every agent on it
-    (implements :class:`~appliance.engine.interface.RuntimeProtocol`)."""
+class Runtime:
+    """One loaded model: its weights, its live context (when open) and its conversations' slots
+    (implements :class:`~appliance.engine.interface.RuntimeProtocol`). Engine thread only."""
 
-    def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None) -> None:
+    def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
+                 live_slots: int = 1) -> None:
         self.path = path
-        try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
-                                       n_threads=n_threads, n_batch=min(512, n_ctx), seed=0, verbose=False)
-        except Exception as exc:  # llama.cpp reports a bad file as ValueError or RuntimeError
-            raise ApplianceError("MODEL_LOAD_FAILED", f"cannot load {path.name}: {exc}",
-                                 {"path": str(path)}) from exc
-        # The configured size bounds every conversation: llama.cpp may round its context up (to 256 at least),
-        # but llama-cpp-python sizes its token buffer by the n_ctx it was given.
-        self.n_ctx = min(n_ctx, self.llm.n_ctx())
-        self.eos = self.llm.token_eos()
-        self.live: Conversation | None = None
-        self._pieces: dict[int, bytes] = {}
+        self.weights = ModelWeights(path, n_gpu_layers=n_gpu_layers)
+        self.n_threads = n_threads
+        self.live_slots = live_slots
+        self.configured_ctx = n_ctx
+        self.n_batch = max(live_slots, min(MAX_BATCH, n_ctx))
+        self.longest_piece = self.weights.longest_piece()
         self._vocabulary: str | None = None
-        self.longest_piece = self._longest_piece()
+        self.context: BatchedContext | None = None
+        self.slots = Slots(None, self, n_ctx=n_ctx)
+        try:
+            self.open_context()
+        except BaseException:
+            self.weights.close()
+            raise
+        # The configured size bounds every conversation (llama.cpp may round its context up, to 256 at least).
+        self.n_ctx = self.slots.n_ctx = min(n_ctx, self.context.n_ctx if self.context is not None else n_ctx)
 
-    def _longest_piece(self) -> int:
-        """The most bytes one token of the vocabulary stands for: a prompt of B bytes is at least
-        B / longest_piece tokens, so its size alone can show that it cannot fit (see :meth:`generate`)."""
-        vocab = self.llm._model.vocab
-        size = 256
-        buf = ctypes.create_string_buffer(size)
-        longest = 1
-        for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
-            n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, False)
-            longest = max(longest, abs(n))  # a negative n is the size a piece too long for buf needs
-        return longest
+    # -- the live context ------------------------------------------------------------------------------
+    @property
+    def has_context(self) -> bool:
+        return self.context is not None
 
+    def open_context(self) -> None:
+        """Build the live context (no-op when open): ``live_slots`` sequences sharing ``n_ctx`` KV cells."""
+        if self.context is not None:
+            return
+        self.context = BatchedContext(self.weights, n_ctx=self.configured_ctx, n_seq_max=self.live_slots,
+                                      n_batch=self.n_batch, n_threads=self.n_threads, prefill_limit=PREFILL_LIMIT)
+        self.slots.context = self.context
+
+    def close_context(self) -> list[Conversation]:
+        """Park every live conversation in host RAM and free the context; returns the parked ones."""
+        if self.context is None:
+            return []
+        parked = self.slots.park_all()
+        self.context.close()
+        self.context = None
+        self.slots.context = None
+        return parked
+
+    # -- conversations ---------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.slots.busy
+
+    @property
+    def live(self) -> list[Conversation]:
+        return self.slots.live
+
+    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
+              on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
+              before_park: Callable[[Conversation], None] | None = None) -> Request | None:
+        """See :meth:`appliance.engine.slots.Slots.begin`."""
+        self._need_context()
+        return self.slots.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
+                                on_done=on_done, ephemeral=ephemeral, before_park=before_park)
+
+    def step(self) -> list[Request]:
+        """One batched decode of every request in flight; the requests that ended."""
+        if self.context is None:
+            return []
+        return self.slots.step()
+
+    def detach(self, conv: Conversation) -> None:
+        self.slots.detach(conv)
+
+    def park(self, conv: Conversation) -> None:
+        """Park ``conv`` (live, no request in flight) in host RAM now."""
+        self.slots.park(conv)
+
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
+                 on_token: Callable[[Token], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
+        """One request run to its end alone (tests, benchmarks): :meth:`begin`, then :meth:`step` until it ends."""
+        request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
+        if request is None:
+            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
+        while not request.done:
+            self.step()
+        if request.error is not None:
+            raise request.error
+        assert request.generation is not None
+        return request.generation
+
+    def _need_context(self) -> None:
+        if self.context is None:
+            raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
+
+    # -- the model -------------------------------------------------------------------------------------
     def vocabulary(self) -> str:
         """A SHA-256 of every token's text, in id order (cached): equal digests, interchangeable token ids."""
         if self._vocabulary is None:
-            vocab = self.llm._model.vocab
-            digest = hashlib.sha256()
-            for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
-                text = llama_cpp.llama_vocab_get_text(vocab, token) or b""
-                digest.update(len(text).to_bytes(4, "little"))
-                digest.update(text)
-            self._vocabulary = digest.hexdigest()
+            self._vocabulary = self.weights.digest()
         return self._vocabulary
 
-    def close(self) -> None:
-        self.live = None
-        self.llm.close()
-
     def piece(self, token: int) -> bytes:
-        """The bytes of one token (cached; llama-cpp-python's own helper returns a padded buffer)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            size = 64
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, token, buf, size, 0, False)
-                if n >= 0:
-                    break
-                size = -n
-            cached = self._pieces[token] = buf.raw[:n]
-        return cached
+        return self.weights.piece(token)
 
     def tokenize(self, text: str, *, bos: bool) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=bos, special=False) if text else []
+        return self.weights.tokenize(text, bos=bos) if text else []
 
-    # -- KV swap ---------------------------------------------------------------------------------
-    def save(self, conv: Conversation) -> None:
-        """Copy the live KV of sequence 0 into the conversation's host buffer (reused across swaps)."""
-        ctx = self.llm.ctx
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
-        if conv.buffer is None or len(conv.buffer) < size:
-            conv.buffer = bytearray(size)
-        view = (ctypes.c_uint8 * len(conv.buffer)).from_buffer(conv.buffer)
-        written = int(llama_cpp.llama_state_seq_get_data(ctx, view, size, 0))
-        del view
-        if written == 0 and size > 0:
-            raise ApplianceError("INTERNAL", "llama.cpp could not copy the KV state")
-        conv.nbytes = written
-        conv.where = "host"
-        conv.n_evaluated = self.llm.n_tokens
-
-    def restore(self, conv: Conversation) -> None:
-        self.clear()
-        if conv.buffer is None or conv.nbytes == 0:
-            conv.n_evaluated = 0
-            return
-        view = (ctypes.c_uint8 * len(conv.buffer)).from_buffer(conv.buffer)
-        read = int(llama_cpp.llama_state_seq_set_data(self.llm.ctx, view, conv.nbytes, 0))
-        del view
-        if read == 0:
-            raise ApplianceError("INTERNAL", "llama.cpp refused the saved KV state")
-        self.llm.input_ids[: conv.n_evaluated] = conv.tokens[: conv.n_evaluated]
-        self.llm.n_tokens = conv.n_evaluated
-
-    def clear(self) -> None:
-        """Forget the live KV's cell bookkeeping only: cells that hold no sequence are never attended and are
-        overwritten when used, so wiping their data too (llama-cpp-python's kv_cache_clear memsets the whole
-        n_ctx-cell cache) would cost a full-cache memset per swap or stateless request."""
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), False)
-        self.llm.n_tokens = 0
-
-    # -- generation ------------------------------------------------------------------------------
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling,
-                 on_token: Callable[[Token], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Generation:
-        """Continue ``conv`` with ``prompt`` and up to ``n_tokens`` new tokens. ``conv`` must be attached.
-
-        * Context: ``n_tokens`` is clamped to the room the prompt leaves in the context (the generation then ends
-          there with ``"length"``); only a prompt that leaves no room for one new token is ``CONTEXT_OVERFLOW``.
-          A prompt longer in UTF-8 bytes than (room left) x (the vocabulary's longest token piece) cannot fit
-          and is refused so, without being tokenized (``details["max_prompt_bytes"]``).
-        * Text: the ``text`` of the tokens given to ``on_token``, joined, is always ``Generation.text``
-          (:class:`~appliance.engine.streamtext.StreamText`). A UTF-8 sequence still incomplete at the end is
-          dropped from both (a continuation without a prompt completes it: its bytes prime the next decoder);
-          text that could begin a stop string is held back until it cannot, and a stop string and what follows
-          it is in neither. Text held back when the model ends it is streamed with the end-of-generation token.
-        * Cancelled (and failed): the conversation returns to what it was before the call (its tokens, the live
-          KV cells, ``n_evaluated``), as if the request had never been sent: its client got CANCELLED or an
-          error, not the text. The returned generation still counts the tokens made.
-        """
-        if self.live is not conv:
-            raise ApplianceError("INTERNAL", "generate on a conversation that is not live")
-        data = self._prompt_bytes(conv, prompt)
-        new = self.llm.tokenize(data, add_bos=not conv.tokens, special=False) if data else []
-        n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
-        llm = self.llm
-        start = time.perf_counter()
-        before = len(conv.tokens)
-        stream = StreamText(sampling.stop, b"" if new else b"".join(self.piece(t) for t in conv.tokens[-4:]))
-        conv.tokens.extend(new)
-        if llm.n_tokens >= len(conv.tokens):  # nothing pending: re-evaluate the last token for fresh logits
-            llm._ctx.kv_cache_seq_rm(0, len(conv.tokens) - 1, -1)
-            llm.n_tokens = len(conv.tokens) - 1
-        llm.set_seed(sampling.seed)  # before the sampler chain is built: it takes the seed from here
-        sampler = llm._init_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    min_p=0.0)
-        out: list[int] = []
-        reason: StopReason = "length"
-        ttft: float | None = None
-        try:
-            while len(out) < n_tokens:
-                if cancelled is not None and cancelled():
-                    reason = "cancelled"
-                    break
-                self._eval(conv.tokens[llm.n_tokens:])
-                conv.n_evaluated = llm.n_tokens
-                tok = sampler.sample(llm._ctx, -1)
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                conv.tokens.append(tok)
-                out.append(tok)
-                if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
-                    reason = "eos"
-                    held = stream.flush()
-                    if held and on_token is not None:
-                        on_token(Token(tok, held, len(out) - 1, time.time()))
-                    break
-                text = stream.push(self.piece(tok), last=len(out) == n_tokens)
-                if on_token is not None:
-                    on_token(Token(tok, text, len(out) - 1, time.time()))
-                if stream.stopped:
-                    reason = "stop"
-                    break
-        except BaseException:
-            self._rollback(conv, before)
-            raise
-        finally:
-            conv.n_evaluated = llm.n_tokens
-        if reason == "cancelled":
-            self._rollback(conv, before)
-        return Generation(stream.text, tuple(out), len(new), reason, time.perf_counter() - start, ttft)
-
-    def _prompt_bytes(self, conv: Conversation, prompt: str) -> bytes:
-        """``prompt`` in UTF-8, refused before tokenizing when its size alone shows it cannot fit: every token
-        stands for at most ``longest_piece`` bytes, and the prompt must leave room for one new token."""
-        try:
-            data = prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApplianceError("BAD_REQUEST", "the prompt is not valid Unicode (it has a lone surrogate)",
-                                 {"field": "prompt"}) from None
-        check_prompt_size(self.n_ctx, conv, len(data), self.longest_piece)
-        return data
-
-    def _eval(self, tokens: list[int]) -> None:
-        """Evaluate ``tokens``; llama.cpp's failure is logged with its text and reaches the client as a plain
-        INTERNAL."""
-        try:
-            self.llm.eval(tokens)
-        except RuntimeError as exc:
-            log.error("llama.cpp decode failed on %s", self.path.name, exc_info=exc)
-            raise ApplianceError("INTERNAL", "llama.cpp could not decode the request") from None
-
-    def _rollback(self, conv: Conversation, length: int) -> None:
-        """Return ``conv`` to its first ``length`` tokens: the tokens, the live KV cells past them and
-        ``n_evaluated`` (an unfinished request leaves no trace)."""
-        del conv.tokens[length:]
-        llm = self.llm
-        if llm.n_tokens > length:
-            llm._ctx.kv_cache_seq_rm(0, length, -1)
-            llm.n_tokens = length
-        conv.n_evaluated = llm.n_tokens
+    def close(self) -> None:
+        if self.context is not None:
+            self.slots.cancel_all(ApplianceError("SHUTTING_DOWN"))
+        self.context = None
+        self.slots.context = None
+        self.weights.close()
 
 
 class Engine:
@@ -272,9 +185,10 @@ class Engine:
         call it off the event loop and off the engine thread."""
         modelcheck.check_model(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> Runtime:
-        """Load on the calling thread (use through :meth:`call`)."""
-        return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads)
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> Runtime:
+        """Load on the calling thread (use through :meth:`call`), with its live context open."""
+        return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads,
+                       live_slots=live_slots)
 
     def close(self) -> None:
         modelcheck.stop_trials()  # a trial child still running would hold up the process's exit

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from appliance.engine.interface import StopReason
+
 
 @dataclass(frozen=True)
 class Work:
@@ -59,3 +61,16 @@ def plan_step(work: Sequence[Work], n_batch: int, prefill_limit: int | None = No
             takes.append(Take(item.seq_id, count, count == item.pending))
             room -= count
     return takes
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """One sampled token of one sequence: ``piece`` its bytes (empty for an end-of-generation token); ``done``
+    with ``stop_reason`` (``"eos"`` or ``"length"``) on its last. Stop strings are the caller's
+    (:class:`~appliance.engine.streamtext.StreamText`)."""
+
+    seq_id: int
+    token: int
+    piece: bytes
+    done: bool
+    stop_reason: StopReason | None

@@ -54,19 +54,18 @@ GIE_KV_USAGE = "appliance_kv_cache_usage_ratio"
 
 
 def kv_cache_usage(daemon: Daemon) -> float:
-    """KV cells in use over the cells of every live context (loaded models): a 0-1 fraction, 0 when none is
-    loaded. A model's context holds its live conversation's evaluated tokens; parked agents' KV is in host RAM,
-    not in a context, so it does not count."""
+    """KV cells in use over the cells of every live context: a 0-1 fraction, 0 when none is live. A context holds
+    its live conversations' evaluated tokens; parked agents' KV is in host RAM, not in a context, so it does not
+    count."""
     used = 0
     total = 0
     for model in list(daemon.models.values()):
         runtime = model.runtime
-        if runtime is None:
+        if runtime is None or not runtime.has_context:
             continue
         total += runtime.n_ctx
-        live = runtime.live
-        if live is not None:
-            used += live.n_evaluated
+        for conv in runtime.live:
+            used += conv.n_evaluated
     if total <= 0:
         return 0.0
     return min(1.0, used / total)
@@ -145,6 +144,17 @@ class DaemonCollector(Collector):
         for place in KV_PLACES:
             agents.add_metric([place], sum(a["state"] == place for a in snapshot["agents"]))
         yield agents
+        yield gauge("appliance_live_contexts", "Live contexts on the device now (engine.live_contexts bounds them).",
+                    len(snapshot["contexts"]))
+        slots = GaugeMetricFamily("appliance_context_slots_used", "Sequences of a model's live context that hold a "
+                                  "conversation (engine.live_slots of them).", labels=["model"])
+        context_bytes = GaugeMetricFamily("appliance_context_bytes", "The ledger figure of a model's live context "
+                                          "(KV cache and compute buffers).", labels=["model"])
+        for context in snapshot["contexts"]:
+            slots.add_metric([context["model"]], context["slots_used"])
+            context_bytes.add_metric([context["model"]], context["kv_bytes"])
+        yield slots
+        yield context_bytes
 
     @staticmethod
     def kv(daemon: Daemon, counters: dict[str, int]) -> Iterator[Metric]:

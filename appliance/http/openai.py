@@ -180,8 +180,14 @@ class Done:
 
     def usage(self) -> dict[str, Any]:
         generation = self.result.generation
-        return schema.usage(self.cached_tokens + generation.prompt_tokens, generation.generated_tokens,
-                            self.cached_tokens)
+        total = self.cached_tokens + generation.prompt_tokens
+        cached = self.cached_tokens
+        if generation.prompt_evaluated is not None:  # a shared prefix (L10) saved more than the conversation held
+            cached = max(cached, total - generation.prompt_evaluated)
+        body = schema.usage(total, generation.generated_tokens, cached)
+        if generation.prompt_evaluated is not None:
+            body["prompt_evaluated"] = generation.prompt_evaluated
+        return body
 
 
 END = object()

@@ -31,6 +31,8 @@ def status_body(snapshot: dict[str, Any]) -> list[str]:
     body = lines.format_records("device", [snapshot["device"]])
     body += lines.format_records("ledger", [yes_no(snapshot["ledger"], "over_cap")])
     body += lines.format_records("host_kv", [snapshot["host_kv"]])
+    body += lines.format_records("engine", [snapshot["engine"]])
+    body += lines.format_records("context", snapshot["contexts"])
     body += lines.format_records("model", [yes_no(model, "retired") for model in snapshot["models"]])
     body += lines.format_records("agent", snapshot["agents"])
     body += lines.format_records("counters", [snapshot["counters"]])
@@ -90,7 +92,8 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     gen = result.generation
     headers: list[dict[str, Any]] = [
         {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
-         "stopped_on_eos": gen.stopped_on_eos},
+         "stopped_on_eos": gen.stopped_on_eos,
+         "prompt_evaluated": gen.prompt_evaluated if gen.prompt_evaluated is not None else gen.prompt_tokens},
         {"elapsed_ms": round(gen.elapsed_s * 1000, 3)},
         {"kv_swap_evicted": result.evicted or "none", "kv_swap_restored": result.restored},
     ]

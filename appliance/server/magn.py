@@ -272,6 +272,8 @@ def completion(task_id: str, result: DecodeResult) -> m.TaskComplete:
         timings["ttft_ms"] = gen.ttft_s * 1000
     stats: dict[str, object] = {"model": result.model, "kv_swap_evicted": result.evicted,
                                 "kv_swap_restored": result.restored}
+    if gen.prompt_evaluated is not None:  # tokens evaluated before the first new one (shared prefixes skip some)
+        stats["prompt_evaluated"] = gen.prompt_evaluated
     if result.notice is not None:  # once: its model was reloaded with another vocabulary
         stats["notice"] = result.notice
     return m.TaskComplete(task_id, gen.text, m.Usage(gen.prompt_tokens, gen.generated_tokens),

@@ -104,7 +104,6 @@ class EngineDirect(Contender):
 
         start = time.perf_counter()
         conv = Conversation()
-        self.rt.attach(conv)
         try:
             gen = self.rt.generate(conv, prompt, n, self.sampling, on_token if stream else None)
         finally:

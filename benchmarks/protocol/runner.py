@@ -15,7 +15,7 @@ import llama_cpp
 
 from appliance.client import MagnClient
 from appliance.engine.runtime import Runtime
-from benchmarks.common import tiny_model
+from benchmarks.common import ContextThreads, tiny_model
 from benchmarks.protocol.clients import Http, MagnAsync, MagnBlocking, MagnRaw
 from benchmarks.protocol.inprocess import ComputeThread, DaemonCore, EngineDirect, Library
 from benchmarks.protocol.measure import measure, summarize
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         compute = ComputeThread(args.threads)
         rt = compute.call(lambda: Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads))
-        params = rt.llm.context_params  # the library gets exactly the engine's context parameters
+        params = ContextThreads(args.threads, args.threads)  # the library gets the engine's threads
         for reset in (True, False):
             llm = compute.call(lambda: llama_cpp.Llama(
                 model_path=str(model), n_ctx=args.n_ctx, n_batch=n_batch, n_threads=params.n_threads,

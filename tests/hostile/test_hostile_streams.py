@@ -58,13 +58,13 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
     its byte size (the room left x the vocabulary's longest token piece) without being tokenized."""
     runtime = hostile.app.daemon.models["demo"].runtime.inner  # the neighbour keeps it loaded; inside the gate
     tokenized: list[int] = []
-    real = runtime.llm.tokenize
+    real = runtime.weights.tokenize
 
-    def counting(data: bytes, *args: Any, **kwargs: Any) -> list[int]:
-        tokenized.append(len(data))
-        return real(data, *args, **kwargs)
+    def counting(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        tokenized.append(len(text.encode()))
+        return real(text, *args, **kwargs)
 
-    runtime.llm.tokenize = counting
+    runtime.weights.tokenize = counting
     served = hostile.neighbour.served
     peer = RawPeer(hostile.socket)
     frame = encode_frame({"type": "INFER_REQUEST", "task_id": "big", "model": "demo", "max_tokens": 4,
@@ -85,7 +85,7 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
         assert isinstance(done, m.TaskComplete) and done.usage.completion_tokens == 4
     finally:
         peer.close()
-        del runtime.llm.tokenize
+        del runtime.weights.tokenize
     assert max(tokenized) < 1000  # the neighbour's and the small prompt: never the 12 MB one
     assert min(took) < 1.0, f"refusing a 12 MB prompt took {took} s"
     assert hostile.neighbour_served_since(served)

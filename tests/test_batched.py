@@ -444,3 +444,20 @@ def test_plan_invariants(work: list[Work], n_batch: int, prefill_limit: int | No
     if served and prefill_limit is not None:
         room = min(room, prefill_limit)
     assert prompt_tokens == min(waiting, room)  # no room left unused while prompts wait
+
+
+def test_flash_attention_reaches_llama_cpp(weights: ModelWeights) -> None:
+    """``flash_attn`` really changes how the context computes: the same prompt's logits differ (slightly) from the
+    context without it, and the greedy first token is the same."""
+    prompt = weights.tokenize(LONG_PROMPT, bos=True)
+    logits = {}
+    for flash in (False, True):
+        with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=N_BATCH, n_threads=THREADS,
+                            flash_attn=flash) as context:
+            context.add(0, prompt, GREEDY, 1)
+            while context.has_work():
+                context.step()
+            logits[flash] = context.logits(0)
+    difference = float(np.max(np.abs(logits[True] - logits[False])))
+    assert 0 < difference < 0.1
+    assert int(np.argmax(logits[True])) == int(np.argmax(logits[False]))

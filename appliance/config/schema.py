@@ -515,6 +515,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1, maximum=64,
     ),
     Setting(
+        "engine.flash_attention", BOOL, False,
+        "llama.cpp's flash attention in live contexts: faster batched decoding (measured on the CPU with a 12-layer "
+        "768-wide model: +39% tokens/s with 4 sequences, +52% with 8) and a faster KV park (its V cache is not "
+        "transposed), but a sequence decoded beside others then rounds differently from the same request run "
+        "alone (its greedy text may differ). A change applies to models loaded after it.",
+    ),
+    Setting(
         "engine.live_contexts", AUTO_COUNT, "auto",
         "Live contexts on the device at once: `auto` = as many as the ledger fits (the least recently used idle one "
         "is freed when a new one would not fit); N = at most N (1 = one live context on the device: decoding "

@@ -62,6 +62,7 @@ class EngineConfig:
     plan_boundaries: tuple[int, int]
     threads: int  # 0 = automatic
     live_slots: int
+    flash_attention: bool
     live_contexts: int | None  # None = auto
 
 

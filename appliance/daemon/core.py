@@ -1,10 +1,17 @@
 """The daemon core that every surface (line protocol, MAGN frames, HTTP) calls: ledger, refcounted models,
-agent slots with KV swap, idle unloading and device resync (SPEC L1–L7, R2, R3, R4).
+agent slots with KV swap, live contexts, idle unloading and device resync (SPEC L1–L11, R2, R3, R4).
 
-Model memory is admitted by the :class:`~appliance.daemon.ledger.Ledger` before anything is loaded. Each loaded
-model has one live context (one :class:`~appliance.engine.interface.RuntimeProtocol`, a llama.cpp
-:class:`~appliance.engine.runtime.Runtime` in production): the agents on that model take turns in it, and a
-suspended agent's KV state waits in host RAM. Agents on different models never evict each other.
+Model memory is admitted by the :class:`~appliance.daemon.ledger.Ledger` before anything is loaded. A loaded model
+(one :class:`~appliance.engine.interface.RuntimeProtocol`, a llama.cpp :class:`~appliance.engine.runtime.Runtime`
+in production) holds its weights under its name and, while it has one, its live context under
+:func:`context_key`. The context's ``engine.live_slots`` sequences hold its agents' conversations, decoded together
+by the model's step loop (:meth:`Daemon._steps`); a request that finds them all busy waits its turn
+(:class:`~appliance.daemon.admission.Admission`), and a suspended agent's KV state waits in host RAM.
+
+Live contexts (SPEC L8): ``engine.live_contexts`` bounds how many exist at once (``auto``: as many as the ledger
+fits). A model that needs its context back while the budget is spent frees the least recently used idle context of
+another model (its agents parked in host RAM; its weights stay loaded); with only busy ones in the way it waits
+for one to go idle; a context that cannot fit even with every other one freed is ``VRAM_LEDGER_DENY``.
 
 The daemon only knows the engine through :class:`~appliance.engine.interface.EngineProtocol` and time through its
 ``clock``: tests run it on :class:`appliance.engine.fake.FakeEngine` and a :class:`~appliance.engine.fake.ManualClock`
@@ -35,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -211,6 +219,10 @@ def needs_reload(before: ModelConfig, after: ModelConfig) -> bool:
 def reload_key(name: str) -> str:
     """The ledger key that holds a reloading model's new estimate while its old runtime still serves."""
     return f"{name} (reloading)"
+
+
+WAIT_TURN = object()
+"""What a request's start returns when others already wait for a sequence of its model (it queues behind them)."""
 
 
 def context_key(name: str) -> str:
@@ -408,7 +420,8 @@ class Daemon:
         model.baseline = process_bytes(self.device.read())
         spec = model.spec
         return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
-                                live_slots=self.config.engine.live_slots)
+                                live_slots=self.config.engine.live_slots,
+                                flash_attention=self.config.engine.flash_attention)
 
     # -- live contexts (SPEC L8) ---------------------------------------------------------------------
     def live_contexts(self) -> list[Model]:
@@ -689,8 +702,10 @@ class Daemon:
             self.decoding -= 1
             loop.call_soon_threadsafe(self._request_ended, model, ended, request)
 
-        def start() -> Any:
+        def start(queued: bool) -> Any:
             nonlocal rebuilt
+            if not queued and model.admission.waiting:  # others wait for a sequence: not before them
+                return WAIT_TURN
             runtime = model.runtime
             if runtime is None:
                 raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
@@ -775,26 +790,34 @@ class Daemon:
             model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
         return result
 
-    async def _admit(self, model: Model, start: Callable[[], Any], queue: Hashable) -> Any:
-        """Start a request (``start`` on the engine thread) in its turn (:class:`~appliance.daemon.admission.
-        Admission`: round-robin over the engine queues, so that a client keeping every sequence busy cannot starve
-        another); when every sequence is busy it waits for a request to end."""
+    async def _admit(self, model: Model, start: Callable[[bool], Any], queue: Hashable) -> Any:
+        """Start a request (``start`` on the engine thread). While sequences are free every request starts at once
+        (the engine serves its queues in turn, so requests arriving together join the same step). A request that
+        finds every sequence busy, or others already waiting, waits its turn (:class:`~appliance.daemon.admission.
+        Admission`: round-robin over the engine queues, so a client keeping every sequence busy cannot starve
+        another); the one whose turn it is retries each time a request ends."""
         ticket = object()
-        model.admission.join(queue, ticket)
+        queued = False
         try:
             while True:
                 seen = model.ended
-                if model.admission.head() is ticket:
-                    request = await finish(self.engine.submit(start, queue=queue))
-                    if request is not None:
+                if not queued or model.admission.head() is ticket:
+                    request = await finish(self.engine.submit(functools.partial(start, queued), queue=queue))
+                    if request is not None and request is not WAIT_TURN:
                         return request
+                    if not queued:
+                        model.admission.join(queue, ticket)
+                        queued = True
+                        if request is WAIT_TURN:
+                            continue  # it never tried: try in its turn, which may be now
                 if model.ended == seen or model.admission.head() is not ticket:
                     waiter = asyncio.get_running_loop().create_future()
                     model.waiters.append(waiter)
                     await waiter
         finally:
-            model.admission.leave(queue, ticket)
-            self._wake(model)
+            if queued:
+                model.admission.leave(queue, ticket)
+                self._wake(model)
 
     def _wake(self, model: Model) -> None:
         waiters, model.waiters = model.waiters, []
@@ -1000,7 +1023,8 @@ class Daemon:
         process bytes the load added."""
         before = process_bytes(self.device.read())
         runtime = self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
-                                   live_slots=self.config.engine.live_slots)
+                                   live_slots=self.config.engine.live_slots,
+                                flash_attention=self.config.engine.flash_attention)
         return runtime, max(0, process_bytes(self.device.read()) - before)
 
     def _install(self, model: Model, spec: ModelConfig, estimate: int, context_bytes: int,

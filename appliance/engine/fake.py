@@ -488,7 +488,8 @@ class FakeEngine:
         """No child process here: a model-free daemon has nothing to trial-load. Recorded in ``checks``."""
         self.checks.append(path)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> FakeRuntime:
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
+             flash_attention: bool = False) -> FakeRuntime:
         self.loads.append(path)
         self.load_gate.wait()
         for key in (str(path), path.name, path.stem):
@@ -575,9 +576,10 @@ class GatedEngine:
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> GatedRuntime:
-        return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, live_slots=live_slots),
-                            self)
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
+             flash_attention: bool = False) -> GatedRuntime:
+        return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, live_slots=live_slots,
+                                            flash_attention=flash_attention), self)
 
     def close(self) -> None:
         self.gate.open()

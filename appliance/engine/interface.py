@@ -198,7 +198,8 @@ class EngineProtocol(Protocol):
         worker thread. Raises ``MODEL_LOAD_FAILED`` with the reason."""
         ...
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> RuntimeProtocol:
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
+             flash_attention: bool = False) -> RuntimeProtocol:
         """Load a model with its live context on the calling thread (use through :meth:`call`); raises
         ``MODEL_LOAD_FAILED``."""
         ...

@@ -50,11 +50,12 @@ class Runtime:
     (implements :class:`~appliance.engine.interface.RuntimeProtocol`). Engine thread only."""
 
     def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
-                 live_slots: int = 1) -> None:
+                 live_slots: int = 1, flash_attention: bool = False) -> None:
         self.path = path
         self.weights = ModelWeights(path, n_gpu_layers=n_gpu_layers)
         self.n_threads = n_threads
         self.live_slots = live_slots
+        self.flash_attention = flash_attention
         self.configured_ctx = n_ctx
         self.n_batch = max(live_slots, min(MAX_BATCH, n_ctx))
         self.longest_piece = self.weights.longest_piece()
@@ -79,7 +80,8 @@ class Runtime:
         if self.context is not None:
             return
         self.context = BatchedContext(self.weights, n_ctx=self.configured_ctx, n_seq_max=self.live_slots,
-                                      n_batch=self.n_batch, n_threads=self.n_threads, prefill_limit=PREFILL_LIMIT)
+                                      n_batch=self.n_batch, n_threads=self.n_threads, prefill_limit=PREFILL_LIMIT,
+                                      flash_attn=self.flash_attention)
         self.slots.context = self.context
 
     def close_context(self) -> list[Conversation]:
@@ -185,10 +187,11 @@ class Engine:
         call it off the event loop and off the engine thread."""
         modelcheck.check_model(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
-    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1) -> Runtime:
+    def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
+             flash_attention: bool = False) -> Runtime:
         """Load on the calling thread (use through :meth:`call`), with its live context open."""
         return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads,
-                       live_slots=live_slots)
+                       live_slots=live_slots, flash_attention=flash_attention)
 
     def close(self) -> None:
         modelcheck.stop_trials()  # a trial child still running would hold up the process's exit

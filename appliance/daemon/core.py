@@ -221,6 +221,10 @@ def reload_key(name: str) -> str:
     return f"{name} (reloading)"
 
 
+STEPS_AHEAD = 2
+"""Step jobs a model keeps queued on the engine thread while its requests are in flight (the one running, the
+next)."""
+
 WAIT_TURN = object()
 """What a request's start returns when others already wait for a sequence of its model (it queues behind them)."""
 
@@ -840,16 +844,23 @@ class Daemon:
 
     async def _steps(self, model: Model) -> None:
         """Step the model's live context while requests are in flight: one engine job per step, in its own engine
-        queue, so that other work (new requests joining, other models' steps, loads) runs between two steps."""
-        while True:
-            runtime = model.runtime
-            if runtime is None or not runtime.busy:
-                return
-            try:
-                await self.engine.call(runtime.step, queue=("steps", model.key))
-            except Exception:  # a step's failure is its requests' (they ended with it); log anything else
-                log.exception("model %s: a decode step failed", model.key)
-                return
+        queue, so that other work (new requests joining, other models' steps, loads) runs between two steps. The
+        next step is queued before this one ends, so the engine thread never waits for the event loop (busy with
+        the streams) to ask for it; a step with nothing to do returns at once."""
+        queued: collections.deque[Any] = collections.deque()
+        try:
+            while True:
+                runtime = model.runtime
+                while runtime is not None and runtime.busy and len(queued) < STEPS_AHEAD:
+                    queued.append(self.engine.submit(runtime.step, queue=("steps", model.key)))
+                if not queued:
+                    return
+                await queued.popleft()
+        except Exception:  # a step's failure is its requests' (they ended with it); log anything else
+            log.exception("model %s: a decode step failed", model.key)
+        finally:
+            for job in queued:
+                job.cancel()
 
     @property
     def host_kv_budget(self) -> int:

@@ -31,14 +31,13 @@ from appliance.engine.interface import (
     GREEDY,
     Conversation,
     EngineProtocol,
-    Generation,
     RuntimeProtocol,
     Sampling,
     StopReason,
     Token,
 )
 from appliance.engine.schedule import SeqEvent
-from appliance.engine.slots import Request, Slots
+from appliance.engine.slots import Request, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
@@ -279,7 +278,7 @@ class FakeContext:
         self.kv[seq_id] = cells
 
 
-class FakeRuntime:
+class FakeRuntime(SlotRuntime):
     """A loaded fake model; implements :class:`~appliance.engine.interface.RuntimeProtocol` with the real
     runtime's :class:`~appliance.engine.slots.Slots` over a :class:`FakeContext`.
 
@@ -346,14 +345,6 @@ class FakeRuntime:
         return parked
 
     @property
-    def busy(self) -> bool:
-        return self.slots.busy
-
-    @property
-    def live(self) -> list[Conversation]:
-        return self.slots.live
-
-    @property
     def kv(self) -> list[int]:
         """The cells of the only live conversation (tests of one-slot runtimes)."""
         if self.context is None or not self.context.kv:
@@ -381,10 +372,7 @@ class FakeRuntime:
 
     def _hold(self) -> bool:
         """Wait at the engine's gate before a step; True (hold the step) when a request was cancelled meanwhile."""
-        return not self.engine.gate.wait(self._any_cancelled)
-
-    def _any_cancelled(self) -> bool:
-        return any(r.cancelled is not None and r.cancelled() for r in self.slots.requests.values())
+        return not self.engine.gate.wait(self.slots.any_cancelled)
 
     def detach(self, conv: Conversation) -> None:
         self._check()
@@ -393,19 +381,6 @@ class FakeRuntime:
     def park(self, conv: Conversation) -> None:
         self._check()
         self.slots.park(conv)
-
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
-                 on_token: Callable[[Token], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Generation:
-        request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
-        if request is None:
-            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
-        while not request.done:
-            self.step()
-        if request.error is not None:
-            raise request.error
-        assert request.generation is not None
-        return request.generation
 
     def close(self) -> None:
         self._check()
@@ -508,7 +483,7 @@ class FakeEngine:
         self._worker.close()
 
 
-class GatedRuntime:
+class GatedRuntime(SlotRuntime):
     """A runtime whose every step first passes its engine's gate and delay; everything else is delegated."""
 
     def __init__(self, inner: RuntimeProtocol, engine: GatedEngine) -> None:
@@ -520,33 +495,19 @@ class GatedRuntime:
         slots: Slots = self.inner.slots  # type: ignore[attr-defined]
         if not slots.busy:
             return []
-
-        def stop() -> bool:
-            return any(r.cancelled is not None and r.cancelled() for r in slots.requests.values())
-
         if engine.delay_s > 0:
             deadline = time.monotonic() + engine.delay_s
-            while not stop() and time.monotonic() < deadline:
+            while not slots.any_cancelled() and time.monotonic() < deadline:
                 time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
-        passed = engine.gate.wait(stop)
+        passed = engine.gate.wait(slots.any_cancelled)
 
         def hold() -> bool:
             return not passed
 
         return slots.step(hold=hold)
 
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
-                 on_token: Callable[[Token], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Generation:
-        request = self.inner.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
-        if request is None:
-            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
-        while not request.done:
-            self.step()
-        if request.error is not None:
-            raise request.error
-        assert request.generation is not None
-        return request.generation
+    def begin(self, *args: Any, **kwargs: Any) -> Request | None:
+        return self.inner.begin(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

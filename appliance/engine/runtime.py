@@ -30,7 +30,7 @@ from appliance.engine.interface import (  # re-exported: importers of these from
     Token,
     Where,
 )
-from appliance.engine.slots import Request, Slots
+from appliance.engine.slots import Request, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
@@ -45,7 +45,7 @@ MAX_BATCH = 512
 log = logging.getLogger(__name__)
 
 
-class Runtime:
+class Runtime(SlotRuntime):
     """One loaded model: its weights, its live context (when open) and its conversations' slots
     (implements :class:`~appliance.engine.interface.RuntimeProtocol`). Engine thread only."""
 
@@ -95,14 +95,6 @@ class Runtime:
         return parked
 
     # -- conversations ---------------------------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        return self.slots.busy
-
-    @property
-    def live(self) -> list[Conversation]:
-        return self.slots.live
-
     def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
@@ -124,20 +116,6 @@ class Runtime:
     def park(self, conv: Conversation) -> None:
         """Park ``conv`` (live, no request in flight) in host RAM now."""
         self.slots.park(conv)
-
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
-                 on_token: Callable[[Token], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Generation:
-        """One request run to its end alone (tests, benchmarks): :meth:`begin`, then :meth:`step` until it ends."""
-        request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
-        if request is None:
-            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
-        while not request.done:
-            self.step()
-        if request.error is not None:
-            raise request.error
-        assert request.generation is not None
-        return request.generation
 
     def _need_context(self) -> None:
         if self.context is None:

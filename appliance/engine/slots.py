@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.engine.interface import (
+    GREEDY,
     Conversation,
     Generation,
     Sampling,
@@ -367,6 +368,10 @@ class Slots:
             return "length"
         return None
 
+    def any_cancelled(self) -> bool:
+        """Some request in flight was cancelled (a step held at a gate lets it go)."""
+        return any(r.cancelled is not None and r.cancelled() for r in self.requests.values())
+
     def _reap(self) -> list[Request]:
         ended: list[Request] = []
         for seq_id, request in list(self.requests.items()):
@@ -427,3 +432,40 @@ def common_prefix(tokens: list[int], other: list[int], limit: int) -> int:
         if tokens[index] != other[index]:
             return index
     return n
+
+
+class SlotRuntime:
+    """What every runtime built on :class:`Slots` shares (the llama.cpp one, the fake one, the gated wrapper): the
+    reading of its conversations and a request run alone. A subclass provides ``slots``, ``begin`` and ``step``."""
+
+    slots: Slots
+
+    @property
+    def busy(self) -> bool:
+        return self.slots.busy
+
+    @property
+    def live(self) -> list[Conversation]:
+        return self.slots.live
+
+    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling, *,
+              on_token: Callable[[Token], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> Request | None:
+        raise NotImplementedError
+
+    def step(self) -> list[Request]:
+        raise NotImplementedError
+
+    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
+                 on_token: Callable[[Token], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
+        """One request run to its end alone (tests, benchmarks): :meth:`begin`, then :meth:`step` until it ends."""
+        request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
+        if request is None:
+            raise ApplianceError("INTERNAL", "every sequence of the context is busy")
+        while not request.done:
+            self.step()
+        if request.error is not None:
+            raise request.error
+        assert request.generation is not None
+        return request.generation

@@ -9,7 +9,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -20,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from benchmarks.protocol.servers import free_port
+from benchmarks.protocol.servers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 BINARIES = ("llama-server", "llama-batched-bench")
@@ -250,14 +249,8 @@ class LlamaServer:
         return peak_rss_bytes(self.pid)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,18 @@ def free_port() -> int:
 
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a server process that still runs, then SIGKILL it if it has not exited after 15 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 class Process:
     """A server subprocess with its output in a log file; stopped with SIGTERM (then SIGKILL)."""
 
@@ -57,13 +69,7 @@ class Process:
         raise RuntimeError(f"{what} did not become ready in {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 def appliance_config(model: Path, state: Path, *, n_ctx: int, threads: int, http_port: int) -> str:

@@ -754,13 +754,16 @@ class Daemon:
             parked = await self._open_context(model)
             request = await self._admit(model, start, queue)
             self._drive(model)
-            try:
-                await asyncio.shield(ended)
-            except asyncio.CancelledError:
-                cancel.set()  # stop at the next step; wait so that nothing is left running (R3)
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            # Stop at the next step (a start that ran while its caller went away is reaped there too); wait for a
+            # request we know of, so that nothing is left running (R3).
+            cancel.set()
+            self._drive(model)
+            if request is not None:
                 with contextlib.suppress(Exception):
                     await ended
-                raise
+            raise
         finally:
             self._running.discard(cancel)
             model.inflight -= 1

@@ -563,3 +563,42 @@ def test_loads_unloads_agents_expiry_and_denials_are_logged(tmp_path: Path, capl
 def test_the_sweep_period_follows_the_agent_idle_ttl_too(tmp_path: Path) -> None:
     config = make_config(tmp_path, {"m": {"idle_ttl_s": 0}})
     assert sweep_period(config.with_overrides(agent_idle_ttl_s=2.0)) == 0.5
+
+
+# -- engine v2: sequences, admission ---------------------------------------------------------------------------
+
+async def settled(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+def test_requests_beyond_the_slots_wait_in_turn_and_one_given_up_leaves_nothing(tmp_path: Path) -> None:
+    """One sequence (``live_slots: 1``): a second agent's decode waits for it; cancelled while it waits, it never
+    runs and its conversation is untouched; a third still gets the sequence when the first ends."""
+    async def body(env: Env) -> None:
+        daemon, gate = env.daemon, env.engine.gate
+        for agent in ("a", "b", "c"):
+            await daemon.register(agent, "m")
+        gate.close()
+        first = asyncio.ensure_future(daemon.decode("a", 4, "Hello"))
+        await gate.arrival(1)  # a holds the only sequence; its first step (and so the engine thread) at the gate
+        waiting = asyncio.ensure_future(daemon.decode("b", 4, "Other"))
+        third = asyncio.ensure_future(daemon.decode("c", 2, "Third"))
+        await asyncio.sleep(0.05)  # their starts are queued; the engine serves its queues in turn between steps
+        gate.release(3)  # three of a's four steps: b's and c's starts run meanwhile, find it busy and queue up
+        await gate.arrival(4)
+        model = daemon.models["m"]
+        await settled(lambda: model.admission.waiting == 2)
+        waiting.cancel()
+        await settled(lambda: model.admission.waiting == 1)
+        gate.open()
+        assert (await first).generation.text == fresh_text("Hello", 4)
+        assert (await third).generation.text == fresh_text("Third", 2)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert daemon.agents["b"].conversation.tokens == [] and daemon.agents["b"].conversation.where == "empty"
+        assert model.inflight == 0 and model.active == 0 and not model.runtime.busy and daemon.generating == 0
+
+    run(tmp_path, body, engine={"live_slots": 1})

@@ -34,6 +34,8 @@ PURE = [
     "daemon.requests",
     "daemon.admission",
     "engine.slots",
+    "engine.profile",
+    "engine.tuning",
     "http.admin.figures",
     "engine.chat",
     "http.openai_schema",

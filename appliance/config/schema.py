@@ -484,7 +484,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.hot_pool_slack", FLOAT, 1.2,
-        "Hot KV pool size as a multiple of the observed peak.",
+        "Hot KV pool size as a multiple of the profiled requests' P90 KV need (adaptive engine: not used yet).",
         minimum=1.0, maximum=10.0,
     ),
     Setting("engine.async_switch", BOOL, True, "Switch plans off the request path."),
@@ -495,7 +495,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.warmup_runs", INT, 8,
-        "Requests profiled before the first plan change.",
+        "Warm-up inferences that seed the load profile at start (adaptive engine: not used yet).",
         minimum=0, maximum=100000,
     ),
     Setting(

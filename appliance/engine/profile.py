@@ -1,0 +1,136 @@
+"""The load profile: a sliding window of sampled requests and the percentiles of each figure (SPEC E1). Pure.
+
+The engine reports every finished request to :meth:`LoadProfile.observe` as a :class:`RequestSample`. The profile
+counts them all and keeps every ``sample_rate``-th one (the ``sample_rate``-th, ``2 * sample_rate``-th, ... since
+the profile was made) in a window of the last ``window_size`` kept samples; an older sample drops out of the
+window when a new one comes in. The policies of :mod:`appliance.engine.tuning` read the window's percentiles.
+
+**Percentiles** are *nearest-rank* percentiles: the P-th percentile of ``n`` values is the value of rank
+``ceil(P / 100 * n)`` (1-based) in the values sorted ascending. It is always one of the observed values (an ``int``
+field gives an ``int``); P50 of an even count is the lower of the two middle values, and P90 and P99 of fewer than
+10 or 100 values are the largest value. An empty window has no percentiles: each one is ``None``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+Figure = int | float
+
+
+@dataclass(frozen=True)
+class RequestSample:
+    """The figures of one finished request.
+
+    ``prompt_evaluated``: prompt tokens really evaluated (the rest came from a shared prefix); ``ttft_s``: time to
+    first token; ``decode_s``: time from the first token to the last; ``kv_cells_used``: the KV cells its
+    conversation held at the end, ``kv_cells_peak``: the most it held; ``live_sequences``: sequences live in the
+    context when it ran; ``threads``: the thread count it ran with; ``queue_length``: requests waiting when it
+    started. Every figure is at least 0.
+    """
+
+    input_tokens: int
+    output_tokens: int
+    prompt_evaluated: int
+    ttft_s: float
+    decode_s: float
+    kv_cells_used: int
+    kv_cells_peak: int
+    live_sequences: int
+    threads: int
+    queue_length: int
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 0:
+                raise ValueError(f"{name} must be at least 0, got {value}")
+
+
+FIELDS: tuple[str, ...] = tuple(item.name for item in fields(RequestSample))
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """P50, P90 and P99 of one figure over the window; all ``None`` when the window is empty."""
+
+    p50: Figure | None
+    p90: Figure | None
+    p99: Figure | None
+
+
+def nearest_rank(ordered: list[Figure], percent: int) -> Figure:
+    """The nearest-rank ``percent``-th percentile (1 to 100) of ``ordered`` (sorted ascending, not empty)."""
+    rank = -(-percent * len(ordered) // 100)
+    return ordered[rank - 1]
+
+
+def percentiles_of(values: list[Figure]) -> Percentiles:
+    """P50/P90/P99 (nearest rank) of ``values``, in any order; all ``None`` for no values."""
+    if not values:
+        return Percentiles(None, None, None)
+    ordered = sorted(values)
+    return Percentiles(nearest_rank(ordered, 50), nearest_rank(ordered, 90), nearest_rank(ordered, 99))
+
+
+class LoadProfile:
+    """A sliding window of the last ``window_size`` sampled requests, one kept out of every ``sample_rate``."""
+
+    def __init__(self, window_size: int, sample_rate: int) -> None:
+        if window_size < 1:
+            raise ValueError(f"window_size must be at least 1, got {window_size}")
+        if sample_rate < 1:
+            raise ValueError(f"sample_rate must be at least 1, got {sample_rate}")
+        self.window_size = window_size
+        self.sample_rate = sample_rate
+        self.observed = 0
+        self.sampled = 0
+        self._window: deque[RequestSample] = deque(maxlen=window_size)
+
+    def observe(self, sample: RequestSample) -> bool:
+        """Count ``sample``'s request; keep it in the window if it is a ``sample_rate``-th one (then True)."""
+        self.observed += 1
+        if self.observed % self.sample_rate != 0:
+            return False
+        self.sampled += 1
+        self._window.append(sample)
+        return True
+
+    @property
+    def window(self) -> tuple[RequestSample, ...]:
+        """The samples in the window, oldest first."""
+        return tuple(self._window)
+
+    def __len__(self) -> int:
+        return len(self._window)
+
+    def values(self, field: str) -> list[Figure]:
+        """``field``'s value in each sample of the window, oldest first."""
+        if field not in FIELDS:
+            raise ValueError(f"unknown field {field!r}: must be one of {', '.join(FIELDS)}")
+        return [getattr(sample, field) for sample in self._window]
+
+    def percentiles(self, field: str) -> Percentiles:
+        """P50/P90/P99 (nearest rank) of ``field`` over the window; all ``None`` when it is empty."""
+        return percentiles_of(self.values(field))
+
+    def summary(self) -> dict[str, object]:
+        """The counts and every field's percentiles, ready for JSON::
+
+            {"observed": 12, "sampled": 3, "in_window": 3, "window_size": 64, "sample_rate": 4,
+             "percentiles": {"input_tokens": {"p50": 90, "p90": 300, "p99": 300}, ...}}
+
+        With an empty window every percentile is ``None``.
+        """
+        table: dict[str, dict[str, Figure | None]] = {}
+        for field in FIELDS:
+            found = self.percentiles(field)
+            table[field] = {"p50": found.p50, "p90": found.p90, "p99": found.p99}
+        return {
+            "observed": self.observed,
+            "sampled": self.sampled,
+            "in_window": len(self._window),
+            "window_size": self.window_size,
+            "sample_rate": self.sample_rate,
+            "percentiles": table,
+        }

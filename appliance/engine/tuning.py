@@ -1,0 +1,234 @@
+"""The adaptive engine's policies: hot pool size, plan and thread count (SPEC E2-E4). Pure: no IO.
+
+The adaptive loop reads the profile (:mod:`appliance.engine.profile`), ``/proc/stat`` and the cgroup's
+``cpu.max``, and hands the figures to these functions; it applies what they return. Each choice has hysteresis,
+so a workload sitting on a boundary does not flap between two values:
+
+* **Hot pool (E2).** :func:`hot_pool_cells` is the size the figures ask for; :func:`resize_pool` grows the pool
+  to it at once but shrinks only when the wanted size is at least ``shrink_margin`` below the current one.
+* **Plan (E3).** :func:`choose_plan`: S below the first boundary, M between, L above the second (P90 input
+  tokens). Away from the current plan each boundary moves by ``margin`` times itself: leaving a plan needs the
+  value past the boundary by that much.
+* **Threads (E4).** :func:`choose_threads`: CPU idle above the first threshold -> 4, between -> 3, below the
+  second -> 2, capped by the cores the process may use (:func:`usable_cores`). Away from the current count each
+  threshold moves by ``margin`` percentage points.
+
+Inputs out of range raise :class:`ValueError` naming the limit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+PLANS = ("S", "M", "L")
+THREADS_BY_BAND = (2, 3, 4)
+PROC_STAT_COUNTERS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+IDLE = PROC_STAT_COUNTERS.index("idle")
+IOWAIT = PROC_STAT_COUNTERS.index("iowait")
+WHOLE_NUMBER = re.compile(r"[0-9]+")
+
+
+def round_up(value: int, granularity: int) -> int:
+    """``value`` rounded up to a multiple of ``granularity``."""
+    return -(-value // granularity) * granularity
+
+
+def hot_pool_cells(
+    profile_p90_need: int,
+    slack: float,
+    live_cells: int,
+    *,
+    granularity: int = 256,
+    minimum: int = 256,
+    maximum: int,
+) -> int:
+    """The hot pool's KV cells for a P90 need of ``profile_p90_need`` cells.
+
+    The need times ``slack``, rounded up to ``granularity``, and never below ``live_cells`` (what live
+    conversations hold, also rounded up), clamped to ``[minimum, maximum]``; ``minimum`` must be a multiple of
+    ``granularity``. ``maximum`` (the model's context length) is a hard cap that wins over the rounding: the result
+    is a multiple of ``granularity`` or ``maximum``. Live conversations holding more than ``maximum`` cells is an
+    error.
+    """
+    if profile_p90_need < 0:
+        raise ValueError(f"profile_p90_need must be at least 0, got {profile_p90_need}")
+    if slack < 1.0:
+        raise ValueError(f"slack must be at least 1.0, got {slack}")
+    if live_cells < 0:
+        raise ValueError(f"live_cells must be at least 0, got {live_cells}")
+    if granularity < 1:
+        raise ValueError(f"granularity must be at least 1, got {granularity}")
+    if minimum < 1:
+        raise ValueError(f"minimum must be at least 1, got {minimum}")
+    if minimum % granularity != 0:
+        raise ValueError(f"minimum must be a multiple of granularity ({granularity}), got {minimum}")
+    if maximum < minimum:
+        raise ValueError(f"maximum must be at least minimum ({minimum}), got {maximum}")
+    if live_cells > maximum:
+        raise ValueError(f"live_cells must be at most maximum ({maximum}), got {live_cells}")
+    # round() drops float noise such as 100 * 1.1 = 110.00000000000001 before rounding up.
+    need = round_up(math.ceil(round(profile_p90_need * slack, 6)), granularity)
+    wanted = max(need, round_up(live_cells, granularity), minimum)
+    return min(wanted, maximum)
+
+
+def resize_pool(current: int, wanted: int, shrink_margin: float = 0.25) -> int:
+    """The pool size to apply: ``wanted`` when it is larger than ``current`` or at least ``shrink_margin`` (a
+    share of ``current``) below it, else ``current``."""
+    if current < 1:
+        raise ValueError(f"current must be at least 1, got {current}")
+    if wanted < 1:
+        raise ValueError(f"wanted must be at least 1, got {wanted}")
+    if not 0.0 <= shrink_margin < 1.0:
+        raise ValueError(f"shrink_margin must be at least 0 and below 1, got {shrink_margin}")
+    if wanted >= current:
+        return wanted
+    if current - wanted >= round(shrink_margin * current, 6):
+        return wanted
+    return current
+
+
+def band(value: float, low: float, high: float) -> int:
+    """0 below ``low``, 1 from ``low`` to ``high`` (both included), 2 above ``high``."""
+    if value < low:
+        return 0
+    if value <= high:
+        return 1
+    return 2
+
+
+def choose_plan(
+    p90_input: float | None,
+    boundaries: tuple[int, int],
+    current: str | None,
+    margin: float = 0.1,
+) -> str:
+    """The plan for a P90 input length of ``p90_input`` tokens: "S" below ``boundaries[0]``, "M" from it to
+    ``boundaries[1]``, "L" above.
+
+    With a ``current`` plan, moving up needs the value past a boundary ``b`` by ``margin * b`` (the boundaries
+    become ``b * (1 + margin)``), moving down below it by as much (``b * (1 - margin)``); otherwise the current
+    plan stays. No figure (``None``, an empty profile) keeps the current plan, or "S" without one.
+    """
+    small, large = boundaries
+    if not 1 <= small < large:
+        raise ValueError(f"boundaries must be two token counts, at least 1 and the first below the second, got "
+                         f"{boundaries}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be at least 0 and below 1, got {margin}")
+    if current is not None and current not in PLANS:
+        raise ValueError(f"current must be one of {', '.join(PLANS)}, got {current!r}")
+    if p90_input is not None and p90_input < 0:
+        raise ValueError(f"p90_input must be at least 0, got {p90_input}")
+    if p90_input is None:
+        return current or PLANS[0]
+    if current is None:
+        return PLANS[band(p90_input, small, large)]
+    up = band(p90_input, small * (1 + margin), large * (1 + margin))
+    down = band(p90_input, small * (1 - margin), large * (1 - margin))
+    now = PLANS.index(current)
+    if up > now:
+        return PLANS[up]
+    if down < now:
+        return PLANS[down]
+    return current
+
+
+def choose_threads(
+    idle_percent: float,
+    thresholds: tuple[int, int],
+    usable_cores: int,
+    current: int | None,
+    margin: float = 5.0,
+) -> int:
+    """The thread count for a CPU idle reading of ``idle_percent``: 4 above ``thresholds[0]``, 3 from
+    ``thresholds[1]`` to ``thresholds[0]``, 2 below ``thresholds[1]``; never more than ``usable_cores``.
+
+    With a ``current`` count, more threads need the reading ``margin`` points above a threshold, fewer threads
+    ``margin`` points below it; otherwise the current count stays (capped by ``usable_cores``).
+    """
+    high, low = thresholds
+    if not 0 <= low < high <= 100:
+        raise ValueError(f"thresholds must be two percentages from 0 to 100, the first above the second, got "
+                         f"{thresholds}")
+    if not 0.0 <= idle_percent <= 100.0:
+        raise ValueError(f"idle_percent must be from 0 to 100, got {idle_percent}")
+    if usable_cores < 1:
+        raise ValueError(f"usable_cores must be at least 1, got {usable_cores}")
+    if current is not None and current < 1:
+        raise ValueError(f"current must be at least 1, got {current}")
+    if margin < 0:
+        raise ValueError(f"margin must be at least 0, got {margin}")
+    if current is None:
+        return min(THREADS_BY_BAND[band(idle_percent, low, high)], usable_cores)
+    more = min(THREADS_BY_BAND[band(idle_percent, low + margin, high + margin)], usable_cores)
+    fewer = min(THREADS_BY_BAND[band(idle_percent, low - margin, high - margin)], usable_cores)
+    if more > current:
+        return more
+    if fewer < current:
+        return fewer
+    return current
+
+
+def parse_proc_stat(text: str) -> tuple[int, ...]:
+    """The aggregate ``cpu`` line's first eight counters (:data:`PROC_STAT_COUNTERS`) from ``/proc/stat``'s
+    text; guest time is left out (the kernel counts it in user and nice already)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0] != "cpu":
+            continue
+        counters = parts[1:]
+        if len(counters) < len(PROC_STAT_COUNTERS):
+            raise ValueError(f"the cpu line must have at least {len(PROC_STAT_COUNTERS)} counters, got "
+                             f"{len(counters)}: {line!r}")
+        wanted = counters[: len(PROC_STAT_COUNTERS)]
+        if not all(WHOLE_NUMBER.fullmatch(item) for item in wanted):
+            raise ValueError(f"the cpu line's counters must be whole numbers: {line!r}")
+        return tuple(int(item) for item in wanted)
+    raise ValueError("no aggregate 'cpu' line in the /proc/stat text")
+
+
+def cpu_idle_percent(before: tuple[int, ...], after: tuple[int, ...]) -> float:
+    """The share (0 to 100) of CPU time spent idle or waiting for IO between two readings of
+    :func:`parse_proc_stat`, ``before`` then ``after``. Readings with no time between them are an error."""
+    if len(before) != len(PROC_STAT_COUNTERS) or len(after) != len(PROC_STAT_COUNTERS):
+        raise ValueError(f"readings must have {len(PROC_STAT_COUNTERS)} counters, got {len(before)} and "
+                         f"{len(after)}")
+    deltas = [later - earlier for earlier, later in zip(before, after, strict=True)]
+    if any(delta < 0 for delta in deltas):
+        raise ValueError("a counter went backwards: the readings must be given oldest first")
+    total = sum(deltas)
+    if total == 0:
+        raise ValueError("no CPU time passed between the readings")
+    return 100.0 * (deltas[IDLE] + deltas[IOWAIT]) / total
+
+
+def usable_cores(affinity: int, quota_us: int | None, period_us: int | None) -> int:
+    """The cores the process may use: its affinity count (``len(os.sched_getaffinity(0))``), and with a cgroup
+    quota (``cpu.max``: ``quota_us`` per ``period_us``) at most ``ceil(quota_us / period_us)``."""
+    if affinity < 1:
+        raise ValueError(f"affinity must be at least 1, got {affinity}")
+    if quota_us is None:
+        return affinity
+    if quota_us < 1:
+        raise ValueError(f"quota_us must be at least 1, got {quota_us}")
+    if period_us is None or period_us < 1:
+        raise ValueError(f"period_us must be at least 1 with a quota, got {period_us}")
+    return min(affinity, -(-quota_us // period_us))
+
+
+def parse_cpu_max(text: str) -> tuple[int | None, int]:
+    """(quota, period) in microseconds from a cgroup v2 ``cpu.max`` text: ``"max 100000"`` -> ``(None, 100000)``,
+    ``"200000 100000"`` -> ``(200000, 100000)``."""
+    parts = text.split()
+    if len(parts) != 2:
+        raise ValueError(f"cpu.max must be '<quota|max> <period>', got {text!r}")
+    quota_text, period_text = parts
+    if not WHOLE_NUMBER.fullmatch(period_text) or int(period_text) < 1:
+        raise ValueError(f"cpu.max's period must be a whole number at least 1, got {period_text!r}")
+    if quota_text == "max":
+        return None, int(period_text)
+    if not WHOLE_NUMBER.fullmatch(quota_text) or int(quota_text) < 1:
+        raise ValueError(f"cpu.max's quota must be 'max' or a whole number at least 1, got {quota_text!r}")
+    return int(quota_text), int(period_text)

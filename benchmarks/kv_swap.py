@@ -1,7 +1,7 @@
 """KV swap cost against memory bandwidth (SPEC B4, L5).
 
 One agent's 2k-token context on a 12-layer, 768-wide f16 model is evicted to host RAM and restored with
-:meth:`appliance.engine.runtime.Runtime.save` / :meth:`~appliance.engine.runtime.Runtime.restore`
+:meth:`appliance.engine.runtime.Runtime.park` / :meth:`appliance.engine.slots.Slots.restore`
 (llama.cpp's per-sequence state API into a reusable host buffer). In the same run, interleaved round by
 round so that a noisy machine hurts every contender alike, it times:
 

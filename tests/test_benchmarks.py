@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from appliance.engine.runtime import Conversation
-from appliance.engine.slots import Request, Slots
+from appliance.engine.slots import Slots
 from benchmarks import admission, common, kv_swap, prefix
 
 
@@ -132,11 +132,11 @@ def test_kv_swap_check_catches_a_corrupted_restore(tmp_path: Path, capsys: pytes
     """The resume check can fail: K data damaged on its way back changes the continuation's logits."""
     original = Slots._place
 
-    def corrupting_place(self: Slots, conv: Conversation, seq_id: int, request: Request) -> None:
+    def corrupting_place(self: Slots, conv: Conversation, seq_id: int) -> bool:
         if conv.where == "host" and conv.buffer is not None and conv.nbytes > 0:
             mid = conv.nbytes // 8  # inside layer 0's K rows, past the per-cell header
             conv.buffer[mid - 4096: mid + 4096] = b"\x3c" * 8192
-        original(self, conv, seq_id, request)
+        return original(self, conv, seq_id)
 
     monkeypatch.setattr(Slots, "_place", corrupting_place)
     rc, r, printed = run_main(kv_swap.main, ["--quick", "--model-dir", str(tmp_path / "models")],

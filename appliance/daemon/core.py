@@ -263,7 +263,7 @@ def buffer_bytes(conv: Conversation) -> int:
 
 
 def forget_parked(conv: Conversation) -> None:
-    """Drop a parked conversation's KV state: it keeps its tokens, and its next attach re-evaluates them (the
+    """Drop a parked conversation's KV state: it keeps its tokens, and its next request re-evaluates them (the
     runtime starts from an empty context when ``where`` is not ``host``). Engine thread only."""
     conv.buffer = None
     conv.nbytes = 0
@@ -306,7 +306,7 @@ class Daemon:
                                          "denials": 0, "host_kv_drops": 0, "host_kv_rebuilds": 0,
                                          "agents_expired": 0, "reloads": 0, "kv_swap_bytes": 0,
                                          "kv_restore_bytes": 0}
-        self.kv_swap_seconds = 0.0  # engine time in KV swaps: parking the live state and restoring the attached one
+        self.kv_swap_seconds = 0.0  # engine time in KV swaps: parking live states and restoring the decoding one
         self.decoding = 0  # generations running on the engine thread now (written by that thread only)
         self.errors: collections.Counter[tuple[str, str]] = collections.Counter()  # P4 errors sent: (surface, code)
         self.connections: collections.Counter[str] = collections.Counter()  # socket connections by protocol
@@ -355,15 +355,9 @@ class Daemon:
         model = self.models.get(name)
         return "available" if model is None else model.state
 
-    def estimate(self, model: Model) -> int:
-        return self.estimate_spec(model.spec)
-
-    def estimate_spec(self, spec: ModelConfig) -> int:
-        """The ledger figure of ``spec``: the operator's ``vram_bytes``, else the GGUF table estimate."""
-        return self.estimate_parts(spec)[0]
-
     def estimate_parts(self, spec: ModelConfig) -> tuple[int, int]:
-        """``spec``'s ledger figure and the part of it that is its live context (KV cache + compute margin), which
+        """``spec``'s ledger figure (the operator's ``vram_bytes``, else the GGUF table estimate) and the part of it
+        that is its live context (KV cache + compute margin), which
         the ledger holds apart and releases while the context is freed (SPEC L8). An operator's ``vram_bytes`` is
         one figure: its context part is 0 (it stays reserved while the model is loaded)."""
         if spec.vram_bytes is not None:

@@ -312,11 +312,6 @@ class BatchedContext:
         join order."""
         return list(self._seqs)
 
-    @property
-    def resting(self) -> dict[int, int]:
-        """Resting sequences: id -> cells."""
-        return dict(self._resting)
-
     def has_work(self) -> bool:
         return any(not seq.done for seq in self._seqs.values())
 

@@ -344,13 +344,6 @@ class FakeRuntime(SlotRuntime):
         self.slots.context = None
         return parked
 
-    @property
-    def kv(self) -> list[int]:
-        """The cells of the only live conversation (tests of one-slot runtimes)."""
-        if self.context is None or not self.context.kv:
-            return []
-        return list(next(iter(self.context.kv.values())))
-
     def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,

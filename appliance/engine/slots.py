@@ -172,10 +172,11 @@ class Slots:
         request = Request(conv, len(new), n_tokens, sampling, on_token, cancelled, on_done, ephemeral,
                           len(conv.tokens), StreamText(sampling.stop, b"" if new else self._primer(conv)),
                           time.perf_counter())
-        if not self._seat(conv, need, request, before_park):
+        seq_id = self._seat(conv, need, request.evicted, before_park)
+        if seq_id is None:
             return None
-        seq_id = conv.seq
-        assert seq_id is not None
+        if not self.holds(conv):
+            request.restored = self._place(conv, seq_id)
         tokens = conv.tokens + new
         cells = self.context.cells(seq_id)
         if cells == 0:
@@ -198,23 +199,20 @@ class Slots:
         """A continuation without a prompt completes a UTF-8 sequence its last tokens began."""
         return b"".join(self.vocabulary.piece(t) for t in conv.tokens[-4:])
 
-    def _seat(self, conv: Conversation, need: int, request: Request,
-              before_park: Callable[[Conversation], None] | None) -> bool:
-        """Give ``conv`` a sequence with room for ``need`` cells, parking idle conversations (least recently used
-        first) as needed; False when requests in flight hold what it needs."""
+    def _seat(self, conv: Conversation, need: int, evicted: list[Conversation],
+              before_park: Callable[[Conversation], None] | None) -> int | None:
+        """The sequence ``conv`` holds, or a free one for it, with room for ``need`` cells: idle conversations are
+        parked (least recently used first, added to ``evicted``) as needed. None when requests in flight hold what
+        it needs."""
         own = conv.seq if self.holds(conv) else None
         while (own is None and self._free_seq() is None) or not self._fits(need, own):
             victim = self._idle_victim(exclude=own)
             if victim is None:
-                return False
+                return None
             if before_park is not None:
                 before_park(self.holders[victim])
-            request.evicted.append(self._park(victim))
-        if own is None:
-            free = self._free_seq()
-            assert free is not None
-            self._place(conv, free, request)
-        return True
+            evicted.append(self._park(victim))
+        return own if own is not None else self._free_seq()
 
     def _fits(self, need: int, own: int | None) -> bool:
         held = self.context.cells(own) if own is not None else 0
@@ -233,11 +231,12 @@ class Slots:
             return None
         return min(idle, key=self._used.__getitem__)
 
-    def _place(self, conv: Conversation, seq_id: int, request: Request) -> None:
-        """``conv`` takes the free ``seq_id``: its parked state comes back, or it starts with no cells."""
-        if conv.where == "host" and conv.buffer is not None and conv.nbytes > 0:
+    def _place(self, conv: Conversation, seq_id: int) -> bool:
+        """``conv`` takes the free ``seq_id``: its parked state comes back (True), or it starts with no cells."""
+        restored = conv.where == "host" and conv.buffer is not None and conv.nbytes > 0
+        if restored:
+            assert conv.buffer is not None
             self.context.load_state(seq_id, memoryview(conv.buffer)[:conv.nbytes], conv.n_evaluated)
-            request.restored = True
             self.restores += 1
         else:
             conv.n_evaluated = 0
@@ -245,6 +244,7 @@ class Slots:
         conv.seq = seq_id
         self.holders[seq_id] = conv
         self._touch(seq_id)
+        return restored
 
     def _park(self, seq_id: int) -> Conversation:
         """Copy a resting sequence's cells to its conversation's host buffer and free the sequence."""
@@ -274,8 +274,11 @@ class Slots:
         every sequence is held by requests in flight."""
         if self.holds(conv):
             return True
-        request = Request(conv, 0, 0, Sampling(), None, None, None, False, len(conv.tokens), StreamText(()), 0.0)
-        return self._seat(conv, max(conv.n_evaluated, 1), request, None)
+        seq_id = self._seat(conv, max(conv.n_evaluated, 1), [], None)
+        if seq_id is None:
+            return False
+        self._place(conv, seq_id)
+        return True
 
     def park_all(self) -> list[Conversation]:
         """Park every live conversation (none may have a request in flight): the context is about to go."""

@@ -166,8 +166,8 @@ class DaemonCollector(Collector):
                       "context.", counters["kv_restores"])
         yield counter("appliance_kv_restore_bytes", "Bytes of KV state restored from host RAM.",
                       counters.get("kv_restore_bytes", 0))
-        yield counter("appliance_kv_swap_seconds", "Engine time spent moving KV state (parking the live state "
-                      "and restoring the attached one; one attach does both).", daemon.kv_swap_seconds)
+        yield counter("appliance_kv_swap_seconds", "Engine time spent moving KV state (a request's start parks "
+                      "the idle states it needs room from and restores its own).", daemon.kv_swap_seconds)
         yield counter("appliance_host_kv_drops", "Parked KV states dropped to stay within host_kv_budget.",
                       counters["host_kv_drops"])
         yield counter("appliance_host_kv_rebuilds", "Decodes that re-evaluated an agent's tokens because its "

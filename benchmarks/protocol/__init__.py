@@ -3,7 +3,7 @@
 One run, one tiny model (4 layers, 256 wide, f16), the same greedy requests (temperature 0) on every path:
 
 * **in-process**: llama-cpp-python called directly (``Llama.create_completion``; the baseline), and the
-  appliance's own engine (``Runtime.attach`` / ``generate`` / ``detach`` of a fresh ``Conversation``, what a
+  appliance's own engine (``Runtime.generate`` / ``detach`` of a fresh ``Conversation``, what a
   stateless request runs on the engine thread) and daemon core (``Daemon.complete`` in an event loop: the
   engine-thread hop and bookkeeping, no socket);
 * **MAGN**: the appliance as ``python -m appliance run`` (its own process, like a real daemon), over its Unix

@@ -303,6 +303,7 @@ class Appliance:
             await self._serve_http(self.http_server)
         self._tasks.append(asyncio.create_task(self._sweep(), name="idle-sweep"))
         self._tasks.append(asyncio.create_task(self._resync(), name="resync"))
+        self._tasks.append(asyncio.create_task(self.daemon.adaptive.run_ticks(), name="adaptive-cpu"))
         period = watchdog_period_s()
         if period is not None and self.notifier.enabled:
             self._tasks.append(asyncio.create_task(self._watchdog(period), name="watchdog"))

@@ -318,7 +318,7 @@ def test_defaults_applied_when_omitted():
     config = parse(MODEL)
     assert config.admission_percent == 90 and config.device == "auto" and config.max_connections == 128
     assert config.max_frame_bytes == 16 * 1024 * 1024 and config.heartbeat_interval_s == 2.0
-    assert config.engine == EngineConfig(64, 4, 1.2, True, (60, 30), 8, (128, 512), 0, 4, False, None)
+    assert config.engine == EngineConfig(64, 4, 1.2, True, (60, 30), 8, (128, 512), 0, 4, False, None, True)
     assert config.http.host == "127.0.0.1" and config.http.port == 8080 and config.http.api_token is None
     assert config.socket.mode == 0o660 and config.socket.group is None
     m = config.model("m")
@@ -518,7 +518,7 @@ def test_describe_spells_choices_bounds_and_null():
     assert schema.BY_KEY["models[].idle_ttl_s"].describe().endswith("(≥ 0)")
     assert schema.BY_KEY["log_level"].describe() == "Log verbosity. (one of: debug, info, warning, error, critical)"
     assert schema.BY_KEY["socket.group"].describe().endswith("(may be null)")
-    assert schema.BY_KEY["engine.async_switch"].describe() == "Switch plans off the request path."
+    assert schema.BY_KEY["engine.async_switch"].describe().startswith("Adaptive engine: build the next pool/plan")
 
 
 def test_members_of_each_section():

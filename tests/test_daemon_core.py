@@ -43,6 +43,7 @@ def make_config(tmp_path: Path, models: dict[str, dict[str, Any]], **extra: Any)
     doc: dict[str, Any] = {
         "data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tmp_path)],
         "resync_interval_s": 0,
+        "engine": {"warmup_runs": 0},  # the fake engine counts every token: no warm-up runs beside the tests' own
         "models": [{"name": name, "path": str(tmp_path / f"{name}.gguf"), "vram_bytes": "1GiB", **spec}
                    for name, spec in models.items()],
     }

@@ -36,6 +36,8 @@ PURE = [
     "engine.slots",
     "engine.profile",
     "engine.tuning",
+    "engine.adaptive",
+    "engine.plans",
     "http.admin.figures",
     "engine.chat",
     "http.openai_schema",

@@ -46,7 +46,7 @@ CASES = [
      ReloadPlan(live_settings=("socket.idle_timeout_s",))),
     ("http port", BASE + "http: {port: 9000}\n", ReloadPlan(rebind_http=True)),
     ("device", edited("fake:8GiB", "fake:4GiB"), ReloadPlan(restart_needed=("device",))),
-    ("engine threads", BASE + "engine: {threads: 2}\n", ReloadPlan(restart_needed=("engine.threads",))),
+    ("engine threads", BASE + "engine: {threads: 2}\n", ReloadPlan(live_settings=("engine.threads",))),
     ("engine knobs", BASE + "engine: {hot_pool_slack: 1.5}\n", ReloadPlan(live_settings=("engine.hot_pool_slack",))),
     ("socket mode", BASE + "socket: {mode: '0600'}\n", ReloadPlan(rebind_socket=True)),
     # paths spelled relative to the data_dir follow it: the default model_dirs and socket path move too

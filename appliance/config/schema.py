@@ -484,10 +484,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.hot_pool_slack", FLOAT, 1.2,
-        "Hot KV pool size as a multiple of the profiled requests' P90 KV need (adaptive engine: not used yet).",
+        "Adaptive engine: the hot KV pool is the profiled requests' P90 KV need times this (in steps of 256 cells, "
+        "at most the model's n_ctx); a longer request runs in a temporary cold context.",
         minimum=1.0, maximum=10.0,
     ),
-    Setting("engine.async_switch", BOOL, True, "Switch plans off the request path."),
+    Setting(
+        "engine.async_switch", BOOL, True,
+        "Adaptive engine: build the next pool/plan's context in its own engine job beside the live one and swap it "
+        "in between requests; false = rebuild it inline at the model's next request (which waits for it).",
+    ),
     Setting(
         "engine.thread_idle_thresholds", PAIR, [60, 30],
         "CPU idle % bands: above the first -> 4 threads, between -> 3, below the second -> 2.",
@@ -495,7 +500,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.warmup_runs", INT, 8,
-        "Warm-up inferences that seed the load profile at start (adaptive engine: not used yet).",
+        "Warm-up inferences that seed each model's load profile when it loads (off the request path; health says "
+        "`warming` meanwhile). 0 = none.",
         minimum=0, maximum=100000,
     ),
     Setting(
@@ -505,8 +511,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.threads", INT, 0,
-        "Fixed thread count; 0 = choose automatically.",
-        minimum=0, maximum=1024, live=False,
+        "Thread count of every context: N pins it; 0 = chosen by the adaptive engine from the CPU the process can "
+        "get (at most 4), or min(4, cores) with `engine.adaptive: false`. A reload applies it.",
+        minimum=0, maximum=1024,
     ),
     Setting(
         "engine.live_slots", INT, 4,
@@ -520,6 +527,12 @@ SETTINGS: tuple[Setting, ...] = (
         "768-wide model: +39% tokens/s with 4 sequences, +52% with 8) and a faster KV park (its V cache is not "
         "transposed), but a sequence decoded beside others then rounds differently from the same request run "
         "alone (its greedy text may differ). A change applies to models loaded after it.",
+    ),
+    Setting(
+        "engine.adaptive", BOOL, True,
+        "true: each model's live context follows its load profile (hot pool size, plan S/M/L, threads from the "
+        "CPU the process can get). false: the fixed strategy (the model's n_ctx preallocated, one plan, "
+        "`engine.threads` or the default count). A reload switches live.",
     ),
     Setting(
         "engine.live_contexts", AUTO_COUNT, "auto",

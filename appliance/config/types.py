@@ -64,6 +64,7 @@ class EngineConfig:
     live_slots: int
     flash_attention: bool
     live_contexts: int | None  # None = auto
+    adaptive: bool
 
 
 @dataclass(frozen=True)

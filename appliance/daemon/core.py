@@ -55,11 +55,13 @@ from typing import Any, Literal
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
 from appliance.daemon import hostkv, policy
+from appliance.daemon.adaptive import AdaptiveLoop, cold_key, next_key
 from appliance.daemon.admission import Admission
 from appliance.daemon.devices import DeviceReading, MemoryDevice
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.daemon.requests import RequestLog
 from appliance.engine import gguf_meta
+from appliance.engine.adaptive import Tuner, Tuning
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -69,6 +71,7 @@ from appliance.engine.interface import (
     Sampling,
     Token,
 )
+from appliance.engine.slots import ColdNeeded
 from appliance.engine.worker import DEFAULT_QUEUE
 from appliance.errors import ApplianceError
 
@@ -105,6 +108,12 @@ class Model:
     stepper: asyncio.Task[None] | None = None  # the loop that steps its live context while requests are in flight
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a reload swaps its runtime
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tuner: Tuner | None = None  # its load profile and the tuning of its live context (SPEC E1-E4)
+    shape: gguf_meta.ModelShape | None = None  # read once, for the ledger figure of each context size
+    retuning: asyncio.Task[None] | None = None  # the adaptive loop's retune of its context in progress
+    pending: Tuning | None = None  # a tuning its next request applies inline (engine.async_switch: false)
+    cold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one cold context at a time
+    cold_bytes: int = 0  # the ledger figure of its cold context while one exists
 
     @property
     def key(self) -> str:
@@ -153,6 +162,9 @@ class DecodeResult:
     rebuilt: bool = False  # its parked KV state had been dropped (host_kv_budget): its tokens were re-evaluated
     dropped: tuple[str, ...] = ()  # agents whose parked KV state this decode dropped to stay within host_kv_budget
     notice: str | None = None  # a one-time message for the client (its conversation was reset by a model reload)
+    plan: str = ""  # the plan of the context it ran in (S, M, L or fixed; L for a cold context)
+    threads: int = 0  # the threads that context decoded with
+    peak_memory_bytes: int = 0  # the ledger bytes of the model (weights, live and cold contexts) while it ran
 
 
 FileIdentity = tuple[int, int, int, int]
@@ -317,7 +329,8 @@ class Daemon:
         self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
         self._context_lock = asyncio.Lock()  # one claim of a live context at a time (SPEC L8)
-        self._context_waiters: list[asyncio.Future[None]] = []  # claims waiting for a context to go idle
+        self.context_waiters: list[asyncio.Future[None]] = []  # claims waiting for a context to go idle
+        self.adaptive = AdaptiveLoop(self)  # samples, decides and applies each model's tuning (SPEC E1-E5)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -377,7 +390,8 @@ class Daemon:
             try:
                 model.file = await asyncio.to_thread(file_identity, model.path)  # before the load
                 if model.estimate is None:
-                    model.estimate, model.context_bytes = await asyncio.to_thread(self.estimate_parts, model.spec)
+                    model.estimate, model.context_bytes = await asyncio.to_thread(self.tuned_parts, model,
+                                                                                  model.spec)
                 # A trial load in a child process (llama.cpp aborts on some bad files): off the loop and off
                 # the engine thread, before anything is reserved.
                 spec = model.spec
@@ -403,6 +417,7 @@ class Daemon:
                 model.context_used = self.clock()
                 log.info("model %s loaded: estimate %d bytes, %.2f s", model.key, model.estimate,
                          time.perf_counter() - started)
+                self.adaptive.start_warmup(model)
             except ApplianceError as exc:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
                 log_load_failure(model.key, exc)
@@ -414,12 +429,24 @@ class Daemon:
             if interrupted:
                 raise asyncio.CancelledError
 
+    def tuned_parts(self, model: Model, spec: ModelConfig) -> tuple[int, int]:
+        """:meth:`estimate_parts` with the context part for the pool ``model``'s tuner wants now (the full
+        ``n_ctx`` with ``engine.adaptive: false``). Blocking (it may read the GGUF): call it off the loop."""
+        estimate, context = self.estimate_parts(spec)
+        if not context:
+            return estimate, context
+        tuned = self.adaptive.context_bytes(model, self.adaptive.tuner(model).current.pool_cells)
+        return estimate - context + tuned, tuned
+
     def _load(self, model: Model) -> RuntimeProtocol:
         model.baseline = process_bytes(self.device.read())
-        spec = model.spec
-        return self.engine.load(model.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
+        return self._engine_load(model, model.spec)
+
+    def _engine_load(self, model: Model, spec: ModelConfig) -> RuntimeProtocol:
+        return self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
                                 live_slots=self.config.engine.live_slots,
-                                flash_attention=self.config.engine.flash_attention)
+                                flash_attention=self.config.engine.flash_attention, cache_type=spec.cache_type,
+                                tuning=self.adaptive.tuner(model).current)
 
     # -- live contexts (SPEC L8) ---------------------------------------------------------------------
     def live_contexts(self) -> list[Model]:
@@ -454,7 +481,7 @@ class Daemon:
                 if not others:
                     raise ApplianceError("INTERNAL", "no live context to wait for")
                 waiter = asyncio.get_running_loop().create_future()
-                self._context_waiters.append(waiter)
+                self.context_waiters.append(waiter)
                 self._context_lock.release()
                 try:
                     await waiter
@@ -469,8 +496,9 @@ class Daemon:
         runtime = model.runtime
         if runtime is None:
             return []
-        parked = await self.engine.call(runtime.close_context)
+        parked = await self.engine.call(runtime.close_context)  # a context prepared beside it goes too
         self.ledger.release(context_key(model.key))
+        self.ledger.release(next_key(model.key))
         model.context_claimed = False
         log.info("model %s: live context freed (%d conversations parked in host RAM)", model.key, len(parked))
         return parked
@@ -495,7 +523,7 @@ class Daemon:
 
     def _context_idle(self) -> None:
         """A model's last active request ended: wake whoever waits for a context to go idle."""
-        waiters, self._context_waiters = self._context_waiters, []
+        waiters, self.context_waiters = self.context_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -515,7 +543,11 @@ class Daemon:
                 model.state = "available"
                 self.ledger.release(model.key)
                 self.ledger.release(context_key(model.key))
+                self.ledger.release(next_key(model.key))
+                self.ledger.release(cold_key(model.key))
                 model.context_claimed = False
+                model.cold_bytes = 0
+                model.pending = None
         log.info("model %s unloaded (%s)", model.key, reason)
         self._changed()
         return True
@@ -700,9 +732,9 @@ class Daemon:
             self.decoding -= 1
             loop.call_soon_threadsafe(self._request_ended, model, ended, request)
 
-        def start(queued: bool) -> Any:
+        def start(queued: bool, cold: bool = False) -> Any:
             nonlocal rebuilt
-            if not queued and model.admission.waiting:  # others wait for a sequence: not before them
+            if not queued and not cold and model.admission.waiting:  # others wait for a sequence: not before them
                 return WAIT_TURN
             runtime = model.runtime
             if runtime is None:
@@ -720,9 +752,9 @@ class Daemon:
                 dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
 
             request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
-                                    on_done=on_done, ephemeral=ephemeral, before_park=before_park)
-            if request is None:
-                return None
+                                    on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
+            if request is None or isinstance(request, ColdNeeded):
+                return request
             if request.evicted or request.restored:
                 moved["seconds"] += time.perf_counter() - started
                 moved["swap_bytes"] += sum(parked.nbytes for parked in request.evicted)
@@ -744,9 +776,19 @@ class Daemon:
             model.inflight -= 1
             raise
         model.active += 1
+        cold_held = False
         try:
             parked = await self._open_context(model)
+            if model.pending is not None:
+                await self.adaptive.apply_pending(model)
             request = await self._admit(model, start, queue)
+            if isinstance(request, ColdNeeded):  # longer than the hot pool: a cold context of its own (SPEC E2)
+                needed = request
+                request = None
+                await model.cold_lock.acquire()
+                cold_held = True
+                await self.adaptive.open_cold(model, needed.cells)
+                request = await self._admit(model, functools.partial(start, cold=True), ("cold", model.key))
             self._drive(model)
             await asyncio.shield(ended)
         except asyncio.CancelledError:
@@ -759,6 +801,10 @@ class Daemon:
                     await ended
             raise
         finally:
+            if cold_held:
+                if request is None or request.done:  # else its step frees the cold context: released just below
+                    self.adaptive.close_cold(model)
+                model.cold_lock.release()
             self._running.discard(cancel)
             model.inflight -= 1
             model.active -= 1
@@ -781,7 +827,7 @@ class Daemon:
         if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
             notice, agent.notice = agent.notice, None
         result = DecodeResult(agent_id, model.key, generation, evicted, request.restored, rebuilt, tuple(dropped),
-                              notice)
+                              notice, request.plan, request.threads, request.memory_bytes)
         self.counters["decodes"] += 1
         self.counters["host_kv_rebuilds"] += result.rebuilt
         self.counters["tokens"] += generation.generated_tokens
@@ -820,6 +866,17 @@ class Daemon:
                 model.admission.leave(queue, ticket)
                 self._wake(model)
 
+    def model_bytes(self, model: Model) -> int:
+        """The ledger bytes ``model`` holds now: weights, live context, a context being prepared, a cold one."""
+        held = self.ledger.reservations()
+        return sum(held.get(key, 0) for key in (model.key, context_key(model.key), next_key(model.key),
+                                                cold_key(model.key)))
+
+    def background(self, task: asyncio.Task[Any]) -> None:
+        """Keep ``task`` until it ends (:meth:`settle` waits for it)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _wake(self, model: Model) -> None:
         waiters, model.waiters = model.waiters, []
         for waiter in waiters:
@@ -830,9 +887,11 @@ class Daemon:
         """A request of ``model`` ended on the engine thread (now on the loop): its caller wakes, and so does
         every request waiting for a free sequence of the model."""
         model.ended += 1
+        request.memory_bytes = self.model_bytes(model)  # the pool cannot change while it runs: its peak
         if not ended.done():
             ended.set_result(request)
         self._wake(model)
+        self.adaptive.observe(model, request)
 
     def _drive(self, model: Model) -> None:
         """Make sure the model's step loop runs (a request was just started)."""
@@ -864,6 +923,10 @@ class Daemon:
         """Bytes of host RAM that parked KV state may hold (``host_kv_budget``; ``auto`` = a share of RAM)."""
         configured = self.config.host_kv_budget
         return hostkv.auto_budget(self.physical_memory) if configured is None else configured
+
+    def fit_host_kv(self) -> list[str]:
+        """:meth:`_fit_host_kv` for every agent, after the adaptive loop parked some (engine thread)."""
+        return self._fit_host_kv(list(self.agents.copy().values()))
 
     def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
                      attaching: Conversation | None = None) -> list[str]:
@@ -938,6 +1001,11 @@ class Daemon:
                 done.append(f"{model.key} is not loaded: its next load uses the new settings")
             else:
                 done.append(f"{model.key} changed: it needs a reload")
+        if old.engine != new.engine:
+            self.adaptive.reconfigure()
+            if old.engine.adaptive != new.engine.adaptive:
+                done.append("engine: " + ("adaptive" if new.engine.adaptive else "fixed strategy") +
+                            " for every loaded model")
         return done
 
     def replaced_files(self) -> list[str]:
@@ -984,7 +1052,10 @@ class Daemon:
             started = time.perf_counter()
             try:
                 identity = await asyncio.to_thread(file_identity, spec.path)  # before the load: a later change shows
-                estimate, context_bytes = await asyncio.to_thread(self.estimate_parts, spec)
+                if model.tuner is not None:
+                    model.tuner.reconfigure(self.adaptive.settings(), spec.n_ctx)
+                model.shape = None  # the file may have changed
+                estimate, context_bytes = await asyncio.to_thread(self.tuned_parts, model, spec)
                 await asyncio.to_thread(self.engine.check, spec.path, n_ctx=spec.n_ctx,
                                         n_gpu_layers=spec.n_gpu_layers)
                 with self.ledger.reservation(reload_key(name), estimate):
@@ -1009,13 +1080,13 @@ class Daemon:
         """Load ``spec`` next to the serving runtime, let the requests in flight on the old one end (new ones
         wait meanwhile), then install it; a new runtime that was not installed (a failure, or the caller
         cancelled) is closed again. Returns :meth:`_install`'s counts."""
-        load = asyncio.ensure_future(self.engine.call(self._load_spare, spec))
+        load = asyncio.ensure_future(self.engine.call(self._load_spare, model, spec))
         try:
             runtime, loaded_bytes = await finish(load)
             model.serving.clear()
             while model.active > 0:
                 waiter = asyncio.get_running_loop().create_future()
-                self._context_waiters.append(waiter)
+                self.context_waiters.append(waiter)
                 await waiter
             install = asyncio.ensure_future(self.engine.call(self._install, model, spec, estimate, context_bytes,
                                                              runtime, loaded_bytes))
@@ -1026,13 +1097,11 @@ class Daemon:
             if spare is not None and model.runtime is not spare[0]:
                 await finish(asyncio.ensure_future(self.engine.call(spare[0].close)))
 
-    def _load_spare(self, spec: ModelConfig) -> tuple[RuntimeProtocol, int]:
+    def _load_spare(self, model: Model, spec: ModelConfig) -> tuple[RuntimeProtocol, int]:
         """Load ``spec`` while the model's old runtime still serves (engine thread); returns the runtime and the
         process bytes the load added."""
         before = process_bytes(self.device.read())
-        runtime = self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
-                                   live_slots=self.config.engine.live_slots,
-                                flash_attention=self.config.engine.flash_attention)
+        runtime = self._engine_load(model, spec)
         return runtime, max(0, process_bytes(self.device.read()) - before)
 
     def _install(self, model: Model, spec: ModelConfig, estimate: int, context_bytes: int,
@@ -1108,9 +1177,7 @@ class Daemon:
         """Unload ``model`` in the background if it is retired and unused (a caller on the loop cannot wait)."""
         if not policy.unload_retired(model.view()):
             return
-        task = asyncio.get_running_loop().create_task(self.drain_retired())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.background(asyncio.get_running_loop().create_task(self.drain_retired()))
 
     async def settle(self) -> None:
         """Wait for the background unloads of retired models (tests; shutdown)."""
@@ -1141,6 +1208,7 @@ class Daemon:
         engine and the device."""
         self.closing = True
         self.cancel_running()
+        await self.adaptive.close()
         await self.settle()
         for model in list(self.models.values()):
             await self.unload(model, reason="shutdown")
@@ -1157,9 +1225,19 @@ class Daemon:
             runtime = model.runtime
             if runtime is None:
                 continue
+            tuning = runtime.tuning
             records.append({"model": model.key, "slots": runtime.live_slots, "slots_used": len(runtime.live),
-                            "requests": model.active, "kv_bytes": model.context_bytes})
+                            "requests": model.active, "kv_bytes": model.context_bytes,
+                            "pool_cells": runtime.pool_cells, "pool_bytes": model.context_bytes,
+                            "cold_cells": runtime.cold_cells, "cold_bytes": model.cold_bytes,
+                            "plan": tuning.plan, "threads": tuning.threads,
+                            "adaptive": self.config.engine.adaptive})
         return records
+
+    def profiles(self) -> dict[str, dict[str, Any]]:
+        """Each model's load profile (SPEC E1): counts and percentiles of its sampled requests."""
+        return {model.key: model.tuner.profile.summary() for model in self.models.values()
+                if model.tuner is not None}
 
     def snapshot(self) -> dict[str, Any]:
         """Everything STATUS, the admin page and metrics show, read from memory."""
@@ -1168,7 +1246,8 @@ class Daemon:
                    "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
                    "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired} for m in self.models.values()]
         agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),
-                   "state": a.conversation.where, "state_bytes": a.conversation.nbytes}
+                   "state": a.conversation.where, "state_bytes": a.conversation.nbytes,
+                   "kv_cells": a.conversation.n_evaluated}
                   for a in self.agents.values()]
         return {"device": {"name": reading.name, "kind": reading.kind, "total_bytes": reading.total,
                            "used_bytes": reading.used, "free_bytes": reading.free,
@@ -1179,7 +1258,13 @@ class Daemon:
                 "host_kv": self.host_kv(),
                 "engine": {"live_slots": self.config.engine.live_slots,
                            "live_contexts": self.config.engine.live_contexts or "auto",
-                           "contexts_live": len(self.live_contexts())},
+                           "contexts_live": len(self.live_contexts()),
+                           "adaptive": self.config.engine.adaptive,
+                           "warming": bool(self.adaptive.warming),
+                           "cpu_percent": None if self.adaptive.cpu is None else round(self.adaptive.cpu.percent, 1),
+                           "usable_cores": self.adaptive.cores,
+                           "switches": self.adaptive.switches, "cold_requests": self.adaptive.colds},
                 "contexts": self.contexts(),
+                "profiles": self.profiles(),
                 "models": models, "agents": agents, "counters": dict(self.counters),
                 "extra": {name: report() for name, report in self.reports.items()}}

@@ -27,6 +27,7 @@ class RequestRecord:
     outcome: Outcome
     error: str | None = None  # the P4 code of a failed request
     stop_reason: str | None = None
+    plan: str | None = None  # the plan of the context it ran in (S, M, L, fixed; None: it never ran)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -64,6 +64,11 @@ from appliance.engine.interface import GREEDY, Sampling, StopReason
 from appliance.engine.schedule import SeqEvent, Work, plan_step
 from appliance.errors import ApplianceError
 
+GGML_TYPES: dict[str, int] = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
+}
+"""ggml's type ids of the KV cache types ``models[].cache_type`` allows (``ggml.h``'s ``enum ggml_type``)."""
+
 __all__ = ["BatchedContext", "ModelWeights", "SavedSequence", "SeqEvent"]
 
 log = logging.getLogger(__name__)
@@ -237,7 +242,8 @@ class BatchedContext:
     """
 
     def __init__(self, weights: ModelWeights, *, n_ctx: int, n_seq_max: int, n_batch: int,
-                 n_threads: int | None = None, prefill_limit: int | None = None, flash_attn: bool = False) -> None:
+                 n_threads: int | None = None, prefill_limit: int | None = None, flash_attn: bool = False,
+                 n_ubatch: int | None = None, cache_type: str = "f16") -> None:
         weights._check_open()
         if n_seq_max < 1:
             raise ApplianceError("BAD_REQUEST", "n_seq_max must be at least 1", {"n_seq_max": n_seq_max})
@@ -248,6 +254,13 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "n_ctx must be at least 1", {"n_ctx": n_ctx})
         if prefill_limit is not None and prefill_limit < 1:
             raise ApplianceError("BAD_REQUEST", "prefill_limit must be at least 1", {"prefill_limit": prefill_limit})
+        n_ubatch = n_batch if n_ubatch is None else n_ubatch
+        if not 1 <= n_ubatch <= n_batch:
+            raise ApplianceError("BAD_REQUEST", "n_ubatch must be from 1 to n_batch",
+                                 {"n_ubatch": n_ubatch, "n_batch": n_batch})
+        if cache_type not in GGML_TYPES:
+            raise ApplianceError("BAD_REQUEST", f"unknown KV cache type {cache_type!r}",
+                                 {"cache_type": cache_type, "known": sorted(GGML_TYPES)})
         self.weights = weights
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
@@ -256,7 +269,7 @@ class BatchedContext:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = n_batch  # one step is one compute graph
+        params.n_ubatch = n_ubatch  # n_batch: one step is one compute graph; less: a smaller compute buffer
         params.n_seq_max = n_seq_max
         if n_threads is not None:
             params.n_threads = n_threads
@@ -269,6 +282,8 @@ class BatchedContext:
         # it they stay within 5e-4.
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.type_k = GGML_TYPES[cache_type]
+        params.type_v = GGML_TYPES[cache_type]
         params.no_perf = True
         ctx = llama_cpp.llama_init_from_model(weights.model, params)
         if not ctx:
@@ -277,6 +292,9 @@ class BatchedContext:
         self.ctx: llama_cpp.llama_context_p | None = ctx
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self.n_ubatch = int(llama_cpp.llama_n_ubatch(ctx))
+        self.cache_type = cache_type
+        self.flash_attn = flash_attn
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._seqs: dict[int, _Sequence] = {}  # generating, in join order
         self._resting: dict[int, int] = {}  # seq id -> cells, for sequences between two generations
@@ -304,6 +322,20 @@ class BatchedContext:
         self.ctx = None
         if self in self.weights._contexts:
             self.weights._contexts.remove(self)
+
+    # -- threads --------------------------------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        """The threads llama.cpp decodes with (read back from the context)."""
+        self._check_thread()
+        return int(llama_cpp.llama_n_threads(self.ctx))
+
+    def set_threads(self, n_threads: int) -> None:
+        """Decode (and prefill) with ``n_threads`` threads from the next step on (``llama_set_n_threads``)."""
+        self._check_thread()
+        if n_threads < 1:
+            raise ApplianceError("BAD_REQUEST", "n_threads must be at least 1", {"n_threads": n_threads})
+        llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads)
 
     # -- sequences ------------------------------------------------------------------------------------
     @property

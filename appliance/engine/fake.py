@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -37,7 +38,7 @@ from appliance.engine.interface import (
     Token,
 )
 from appliance.engine.schedule import SeqEvent
-from appliance.engine.slots import Request, SlotRuntime, Slots
+from appliance.engine.slots import ColdNeeded, Request, RequestRunner, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
@@ -184,14 +185,20 @@ class FakeContext:
     tokens it evaluated, its state bytes those tokens (4 bytes each); a step "evaluates" every pending token and
     samples :func:`next_token` (or ``EOS`` when the engine's ``eos_when`` says so) for every generating sequence."""
 
-    def __init__(self, engine: FakeEngine, *, n_ctx: int, n_seq_max: int) -> None:
+    def __init__(self, engine: FakeEngine, *, n_ctx: int, n_seq_max: int, plan: str = "fixed",
+                 threads: int = 1) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        self.plan = plan
+        self.threads = threads
         self.kv: dict[int, list[int]] = {}  # seq id -> evaluated tokens, for every sequence holding cells
         self.running: dict[int, _FakeSequence] = {}
         self.steps = 0
         self.last_batch = 0
+
+    def set_threads(self, n_threads: int) -> None:
+        self.threads = n_threads
 
     def _room(self, cells: int, leaving: int | None = None) -> None:
         claimed = self.cells_claimed() - (len(self.kv.get(leaving, [])) if leaving is not None else 0)
@@ -289,16 +296,27 @@ class FakeRuntime(SlotRuntime):
 
     longest_piece = LONGEST_PIECE
 
-    def __init__(self, engine: FakeEngine, path: Path, *, n_ctx: int, live_slots: int = 1) -> None:
+    def __init__(self, engine: FakeEngine, path: Path, *, n_ctx: int, live_slots: int = 1,
+                 tuning: Tuning | None = None) -> None:
         self.engine = engine
         self.path = path
         self.n_ctx = n_ctx
         self.live_slots = live_slots
+        self.tuning = tuning or Tuning(n_ctx, FIXED, engine.n_threads)
         self.closed = False
         self.vocabulary_digest = engine.vocabulary_of(path)
         self.context: FakeContext | None = None
+        self.contexts_built = 0
         self.slots = Slots(None, self, n_ctx=n_ctx)
         self.open_context()
+
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> FakeContext:
+        self.contexts_built += 1
+        return FakeContext(self.engine, n_ctx=n_ctx, n_seq_max=n_seq_max, plan=plan, threads=threads)
+
+    def _free(self, context: FakeContext) -> None:  # type: ignore[override]
+        context.running.clear()
+        context.kv.clear()
 
     @property
     def saves(self) -> int:
@@ -326,62 +344,47 @@ class FakeRuntime(SlotRuntime):
         if thread is not None and threading.current_thread() is not thread:
             raise ApplianceError("INTERNAL", "a runtime was used off the engine thread")
 
-    @property
-    def has_context(self) -> bool:
-        return self.context is not None
-
-    def open_context(self) -> None:
-        if self.context is None:
-            self.context = FakeContext(self.engine, n_ctx=self.n_ctx, n_seq_max=self.live_slots)
-            self.slots.context = self.context
-
     def close_context(self) -> list[Conversation]:
         self._check()
-        if self.context is None:
-            return []
-        parked = self.slots.park_all()
-        self.context = None
-        self.slots.context = None
-        return parked
+        return super().close_context()
 
     def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None) -> Request | None:
+              before_park: Callable[[Conversation], None] | None = None,
+              cold: bool = False) -> Request | ColdNeeded | None:
         self._check()
-        if self.context is None:
-            raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
-        if conv.where == "device" and conv.seq is not None and self.context.kv.get(conv.seq) != \
-                conv.tokens[:self.context.cells(conv.seq)]:
+        holder = self.cold if self.cold is not None and self.cold.holds(conv) else self.slots
+        context = holder.context
+        if holder.holds(conv) and conv.seq is not None and context is not None and \
+                context.kv.get(conv.seq) != conv.tokens[:context.cells(conv.seq)]:  # type: ignore[attr-defined]
             raise ApplianceError("INTERNAL", "fake KV cache does not match the conversation")
-        return self.slots.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
-                                on_done=on_done, ephemeral=ephemeral, before_park=before_park)
+        return super().begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
+                             on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
 
-    def step(self) -> list[Request]:
+    def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
         self._check()
         if self.context is None:
             return []
-        return self.slots.step(hold=self._hold)
+        return super().step(hold or self._hold)
 
     def _hold(self) -> bool:
         """Wait at the engine's gate before a step; True (hold the step) when a request was cancelled meanwhile."""
-        return not self.engine.gate.wait(self.slots.any_cancelled)
+        return not self.engine.gate.wait(self.any_cancelled)
 
     def detach(self, conv: Conversation) -> None:
         self._check()
-        self.slots.detach(conv)
+        super().detach(conv)
 
     def park(self, conv: Conversation) -> None:
         self._check()
-        self.slots.park(conv)
+        super().park(conv)
 
     def close(self) -> None:
         self._check()
         self.engine.close_gate.wait()
-        if self.context is not None:
-            self.slots.cancel_all(ApplianceError("SHUTTING_DOWN"))
-        self.context = None
-        self.slots.context = None
+        self.cancel_all(ApplianceError("SHUTTING_DOWN"))
+        self.free_contexts()
         self.closed = True
 
 
@@ -457,7 +460,7 @@ class FakeEngine:
         self.checks.append(path)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False) -> FakeRuntime:
+             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> FakeRuntime:
         self.loads.append(path)
         self.load_gate.wait()
         for key in (str(path), path.name, path.stem):
@@ -465,7 +468,7 @@ class FakeEngine:
                 error = self._failures[key]
                 raise error if error is not None else ApplianceError(
                     "MODEL_LOAD_FAILED", f"cannot load {path.name}: fake failure", {"path": str(path)})
-        runtime = FakeRuntime(self, path, n_ctx=n_ctx, live_slots=live_slots)
+        runtime = FakeRuntime(self, path, n_ctx=n_ctx, live_slots=live_slots, tuning=tuning)
         self.runtimes.append(runtime)
         return runtime
 
@@ -476,30 +479,30 @@ class FakeEngine:
         self._worker.close()
 
 
-class GatedRuntime(SlotRuntime):
+class GatedRuntime(RequestRunner):
     """A runtime whose every step first passes its engine's gate and delay; everything else is delegated."""
 
     def __init__(self, inner: RuntimeProtocol, engine: GatedEngine) -> None:
         self.inner = inner
         self.engine = engine
 
-    def step(self) -> list[Request]:
+    def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
         engine = self.engine
-        slots: Slots = self.inner.slots  # type: ignore[attr-defined]
-        if not slots.busy:
+        inner: SlotRuntime = self.inner  # type: ignore[assignment]
+        if not inner.busy:
             return []
         if engine.delay_s > 0:
             deadline = time.monotonic() + engine.delay_s
-            while not slots.any_cancelled() and time.monotonic() < deadline:
+            while not inner.any_cancelled() and time.monotonic() < deadline:
                 time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
-        passed = engine.gate.wait(slots.any_cancelled)
+        passed = engine.gate.wait(inner.any_cancelled)
 
-        def hold() -> bool:
+        def held() -> bool:
             return not passed
 
-        return slots.step(hold=hold)
+        return inner.step(held)
 
-    def begin(self, *args: Any, **kwargs: Any) -> Request | None:
+    def begin(self, *args: Any, **kwargs: Any) -> Request | ColdNeeded | None:
         return self.inner.begin(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -531,9 +534,10 @@ class GatedEngine:
         self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False) -> GatedRuntime:
+             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> GatedRuntime:
         return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, live_slots=live_slots,
-                                            flash_attention=flash_attention), self)
+                                            flash_attention=flash_attention, cache_type=cache_type, tuning=tuning),
+                            self)
 
     def close(self) -> None:
         self.gate.open()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from appliance.engine.adaptive import Tuning
 from appliance.errors import ApplianceError
 
 Where = Literal["empty", "device", "host"]
@@ -134,8 +135,62 @@ class RuntimeProtocol(Protocol):
         """The conversations whose KV cells are in the context now."""
         ...
 
+    @property
+    def tuning(self) -> Tuning:
+        """The :class:`~appliance.engine.adaptive.Tuning` its live context runs with (pool cells, plan, threads)."""
+        ...
+
+    @property
+    def pool_cells(self) -> int:
+        """The live context's KV cells (0 without one)."""
+        ...
+
+    @property
+    def cold_cells(self) -> int:
+        """The cold context's KV cells while a request longer than the hot pool runs (else 0)."""
+        ...
+
+    @property
+    def prepared(self) -> Tuning | None:
+        """The tuning of a context built beside the live one by :meth:`prepare`, not switched in yet (or None)."""
+        ...
+
     def open_context(self) -> None:
         """Build the live context (no-op when it exists)."""
+        ...
+
+    def prepare(self, tuning: Tuning) -> None:
+        """Build a context for ``tuning`` beside the live one (nothing without a live context)."""
+        ...
+
+    def switch(self) -> list[Conversation] | None:
+        """Swap the prepared context in, live conversations carried over; the ones parked to fit. None (nothing
+        changed) while a request is in flight or with nothing prepared."""
+        ...
+
+    def retune(self, tuning: Tuning) -> list[Conversation] | None:
+        """:meth:`prepare` and :meth:`switch` at once."""
+        ...
+
+    def drop_prepared(self) -> None:
+        """Free a prepared context that will not be switched in."""
+        ...
+
+    def set_threads(self, n_threads: int) -> None:
+        """Decode with ``n_threads`` from the next step on."""
+        ...
+
+    def open_cold(self, cells: int) -> None:
+        """Build a one-sequence cold context of at least ``cells`` cells for a request longer than the hot pool
+        (:meth:`begin` answered :class:`~appliance.engine.slots.ColdNeeded`)."""
+        ...
+
+    def close_cold(self) -> list[Conversation]:
+        """Free an idle cold context (its step frees it when its request ends)."""
+        ...
+
+    def warm_up(self, prompt: str, n_tokens: int, sampling: Sampling = ...) -> Any:
+        """A warm-up generation on a throwaway conversation, run now; None when it would wait or park anyone."""
         ...
 
     def close_context(self) -> list[Conversation]:
@@ -145,8 +200,10 @@ class RuntimeProtocol(Protocol):
     def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = ..., *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Any], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None) -> Any:
-        """Start a request (:meth:`appliance.engine.slots.Slots.begin`); None when it must wait for a sequence."""
+              before_park: Callable[[Conversation], None] | None = None, cold: bool = False) -> Any:
+        """Start a request (:meth:`appliance.engine.slots.SlotRuntime.begin`): the request, None when it must wait
+        for a sequence, or :class:`~appliance.engine.slots.ColdNeeded` when it is longer than the hot pool (then
+        begin it again with ``cold`` once :meth:`open_cold` made room)."""
         ...
 
     def step(self) -> list[Any]:
@@ -199,9 +256,9 @@ class EngineProtocol(Protocol):
         ...
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False) -> RuntimeProtocol:
-        """Load a model with its live context on the calling thread (use through :meth:`call`); raises
-        ``MODEL_LOAD_FAILED``."""
+             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> RuntimeProtocol:
+        """Load a model with its live context (built with ``tuning``; None: the fixed strategy) on the calling
+        thread (use through :meth:`call`); raises ``MODEL_LOAD_FAILED``."""
         ...
 
     def close(self) -> None:

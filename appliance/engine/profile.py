@@ -96,6 +96,11 @@ class LoadProfile:
         self._window.append(sample)
         return True
 
+    def seed(self, sample: RequestSample) -> None:
+        """Keep ``sample`` in the window whatever the sample rate (a warm-up run's, SPEC E5); it is not counted as
+        an observed request."""
+        self._window.append(sample)
+
     @property
     def window(self) -> tuple[RequestSample, ...]:
         """The samples in the window, oldest first."""

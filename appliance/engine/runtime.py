@@ -12,6 +12,8 @@ KV state waits in host RAM (:class:`~appliance.engine.slots.Slots`).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -19,7 +21,8 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-from appliance.engine import modelcheck
+from appliance.engine import modelcheck, plans
+from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
@@ -36,28 +39,44 @@ from appliance.errors import ApplianceError
 
 __all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "Token", "Where"]
 
-PREFILL_LIMIT = 64
-"""Prompt tokens a step may add beside running streams (:class:`~appliance.engine.batched.BatchedContext`'s
-``prefill_limit``): measured on the 12-layer 768-wide model, a 448-token prompt joining a stream kept that stream's
-gap under 112 ms (690 ms when prefilled in one step), for 27 ms more to the newcomer's first token."""
-MAX_BATCH = 512
 
 log = logging.getLogger(__name__)
 
 
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _libc_trim()
+
+
+def return_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc ``malloc_trim``), so a freed context shows in RSS: glibc
+    raises its mmap threshold after a large block is freed, and later blocks of that size come from the heap,
+    which ``free`` alone does not shrink (measured: a freed 512-cell cold context left 35 MiB in RSS without it)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 class Runtime(SlotRuntime):
-    """One loaded model: its weights, its live context (when open) and its conversations' slots
-    (implements :class:`~appliance.engine.interface.RuntimeProtocol`). Engine thread only."""
+    """One loaded model: its weights, its live context (when open), a cold context while a long request runs, and
+    its conversations' slots (implements :class:`~appliance.engine.interface.RuntimeProtocol`). Engine thread
+    only. ``tuning`` is the live context's hot pool, plan and threads (:mod:`appliance.engine.adaptive`); without
+    one the fixed strategy: the configured ``n_ctx`` as the pool, the fixed plan, ``n_threads``."""
 
     def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
-                 live_slots: int = 1, flash_attention: bool = False) -> None:
+                 live_slots: int = 1, flash_attention: bool = False, cache_type: str = "f16",
+                 tuning: Tuning | None = None) -> None:
         self.path = path
         self.weights = ModelWeights(path, n_gpu_layers=n_gpu_layers)
-        self.n_threads = n_threads
         self.live_slots = live_slots
         self.flash_attention = flash_attention
-        self.configured_ctx = n_ctx
-        self.n_batch = max(live_slots, min(MAX_BATCH, n_ctx))
+        self.cache_type = cache_type
+        self.n_ctx = n_ctx  # one conversation's bound: the configured n_ctx, whatever the pool's size
+        self.tuning = tuning or Tuning(n_ctx, FIXED, n_threads or 1)
         self.longest_piece = self.weights.longest_piece()
         self._vocabulary: str | None = None
         self.context: BatchedContext | None = None
@@ -67,59 +86,31 @@ class Runtime(SlotRuntime):
         except BaseException:
             self.weights.close()
             raise
-        # The configured size bounds every conversation (llama.cpp may round its context up, to 256 at least).
-        self.n_ctx = self.slots.n_ctx = min(n_ctx, self.context.n_ctx if self.context is not None else n_ctx)
 
-    # -- the live context ------------------------------------------------------------------------------
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> BatchedContext:
+        chosen = plans.fixed_plan(self.n_ctx, n_seq_max) if plan == FIXED else plans.plan_for(plan, n_ctx, n_seq_max)
+        return BatchedContext(self.weights, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=chosen.n_batch,
+                              n_ubatch=chosen.n_ubatch, n_threads=threads, prefill_limit=chosen.prefill_limit,
+                              flash_attn=self.flash_attention, cache_type=self.cache_type)
+
+    def _free(self, context: BatchedContext) -> None:  # type: ignore[override]
+        context.close()
+        return_free_memory()
+
     @property
-    def has_context(self) -> bool:
-        return self.context is not None
-
-    def open_context(self) -> None:
-        """Build the live context (no-op when open): ``live_slots`` sequences sharing ``n_ctx`` KV cells."""
-        if self.context is not None:
-            return
-        self.context = BatchedContext(self.weights, n_ctx=self.configured_ctx, n_seq_max=self.live_slots,
-                                      n_batch=self.n_batch, n_threads=self.n_threads, prefill_limit=PREFILL_LIMIT,
-                                      flash_attn=self.flash_attention)
-        self.slots.context = self.context
-
-    def close_context(self) -> list[Conversation]:
-        """Park every live conversation in host RAM and free the context; returns the parked ones."""
-        if self.context is None:
-            return []
-        parked = self.slots.park_all()
-        self.context.close()
-        self.context = None
-        self.slots.context = None
-        return parked
+    def plan(self) -> plans.Plan:
+        """The live context's plan as built (n_batch, n_ubatch and prefill limit read back from it)."""
+        context = self.context
+        if context is None:
+            raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
+        return plans.Plan(self.tuning.plan, context.n_batch, context.n_ubatch, context.prefill_limit)
 
     # -- conversations ---------------------------------------------------------------------------------
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
-              on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
-              on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None) -> Request | None:
-        """See :meth:`appliance.engine.slots.Slots.begin`."""
-        self._need_context()
-        return self.slots.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
-                                on_done=on_done, ephemeral=ephemeral, before_park=before_park)
-
-    def step(self) -> list[Request]:
+    def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
         """One batched decode of every request in flight; the requests that ended."""
         if self.context is None:
             return []
-        return self.slots.step()
-
-    def detach(self, conv: Conversation) -> None:
-        self.slots.detach(conv)
-
-    def park(self, conv: Conversation) -> None:
-        """Park ``conv`` (live, no request in flight) in host RAM now."""
-        self.slots.park(conv)
-
-    def _need_context(self) -> None:
-        if self.context is None:
-            raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
+        return super().step(hold)
 
     # -- the model -------------------------------------------------------------------------------------
     def vocabulary(self) -> str:
@@ -135,10 +126,8 @@ class Runtime(SlotRuntime):
         return self.weights.tokenize(text, bos=bos) if text else []
 
     def close(self) -> None:
-        if self.context is not None:
-            self.slots.cancel_all(ApplianceError("SHUTTING_DOWN"))
-        self.context = None
-        self.slots.context = None
+        self.cancel_all(ApplianceError("SHUTTING_DOWN"))
+        self.free_contexts()
         self.weights.close()
 
 
@@ -166,10 +155,11 @@ class Engine:
         modelcheck.check_model(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False) -> Runtime:
-        """Load on the calling thread (use through :meth:`call`), with its live context open."""
+             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> Runtime:
+        """Load on the calling thread (use through :meth:`call`), with its live context open (built with
+        ``tuning``; without one the fixed strategy)."""
         return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads,
-                       live_slots=live_slots, flash_attention=flash_attention)
+                       live_slots=live_slots, flash_attention=flash_attention, cache_type=cache_type, tuning=tuning)
 
     def close(self) -> None:
         modelcheck.stop_trials()  # a trial child still running would hold up the process's exit

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from appliance.engine.adaptive import Tuning
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -42,6 +43,15 @@ from appliance.errors import ApplianceError
 MIN_SHARED_PREFIX = 16
 """Tokens a borrowed prefix must have at least: a few shared tokens (the BOS, a chat template's first words) save
 nothing worth reporting."""
+
+
+class PoolTooSmall(Exception):
+    """A request needs more KV cells than the whole hot pool has (:meth:`Slots.begin`): it must run in a larger
+    ("cold") context. Nothing was changed."""
+
+    def __init__(self, cells: int) -> None:
+        super().__init__(f"the request needs {cells} KV cells, more than the hot pool holds")
+        self.cells = cells
 
 
 class SampledToken(Protocol):
@@ -84,6 +94,11 @@ class SequenceContext(Protocol):
 
     def truncate(self, seq_id: int, keep: int) -> None: ...
 
+    @property
+    def threads(self) -> int: ...
+
+    def set_threads(self, n_threads: int) -> None: ...
+
 
 class Vocabulary(Protocol):
     longest_piece: int
@@ -115,6 +130,13 @@ class Request:
     evaluated: int = 0  # tokens evaluated before the first sampled token
     out: list[int] = field(default_factory=list)
     ttft: float | None = None
+    need: int = 0  # cells its conversation may hold by its end (conversation + prompt + n_tokens)
+    demand: int = 0  # cells the context had to hold for it to run: its need + the other requests' in flight
+    live_sequences: int = 0  # requests in flight in its context when it started, itself included
+    plan: str = ""  # the plan and threads of the context it ran in (set by its runtime)
+    threads: int = 0
+    cold: bool = False  # it ran in a temporary cold context
+    memory_bytes: int = 0  # what its caller's ledger held for the model when it ended (the daemon sets it)
     seq_id: int | None = None
     done: bool = False
     generation: Generation | None = None
@@ -169,9 +191,14 @@ class Slots:
         new = self.vocabulary.tokenize(prompt, bos=not conv.tokens) if data else []
         n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
         need = len(conv.tokens) + len(new) + n_tokens
+        if need > self.context.n_ctx:
+            raise PoolTooSmall(need)
         request = Request(conv, len(new), n_tokens, sampling, on_token, cancelled, on_done, ephemeral,
                           len(conv.tokens), StreamText(sampling.stop, b"" if new else self._primer(conv)),
                           time.perf_counter())
+        request.need = need
+        request.demand = need + sum(other.need for other in self.requests.values())
+        request.live_sequences = len(self.requests) + 1
         seq_id = self._seat(conv, need, request.evicted, before_park)
         if seq_id is None:
             return None
@@ -217,6 +244,20 @@ class Slots:
     def _fits(self, need: int, own: int | None) -> bool:
         held = self.context.cells(own) if own is not None else 0
         return self.context.cells_claimed() - held + need <= self.context.n_ctx
+
+    def can_take(self, cells: int) -> bool:
+        """A free sequence and room for ``cells`` more cells, without parking anyone."""
+        return self._free_seq() is not None and self._fits(cells, None)
+
+    def share_parked(self, other: Slots) -> None:
+        """Keep one list of parked conversations with ``other`` (a cold context borrows prefixes from the hot
+        pool's parked conversations, and they from what it parks)."""
+        self._parked = other._parked
+
+    def adopt(self, conv: Conversation) -> None:
+        """``conv`` was parked elsewhere (a cold context): its prefix may be borrowed from here too."""
+        if conv not in self._parked:
+            self._parked.append(conv)
 
     def _free_seq(self) -> int | None:
         for seq_id in range(self.context.n_seq_max):
@@ -286,6 +327,29 @@ class Slots:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
         return [self._park(seq_id) for seq_id in list(self.holders)]
 
+    def move_to(self, context: SequenceContext) -> list[Conversation]:
+        """Carry every live conversation (none may have a request in flight) over to ``context``, in the same
+        sequence ids; the least recently used ones that would not fit are parked first. The old context is the
+        caller's to close. Returns the parked conversations."""
+        if self.requests:
+            raise ApplianceError("INTERNAL", "the context still has requests in flight")
+        if context.n_seq_max < self.context.n_seq_max:
+            raise ApplianceError("INTERNAL", "the new context has fewer sequences")
+        parked: list[Conversation] = []
+        while self.context.cells_claimed() > context.n_ctx:
+            victim = self._idle_victim(exclude=None)
+            assert victim is not None  # no request in flight: every holder is idle
+            parked.append(self._park(victim))
+        buffer = bytearray()
+        for seq_id in list(self.holders):
+            size = self.context.state_size(seq_id)
+            if len(buffer) < size:
+                buffer = bytearray(size)
+            written = self.context.state_into(seq_id, buffer)
+            context.load_state(seq_id, memoryview(buffer)[:written], self.context.cells(seq_id))
+        self.context = context
+        return parked
+
     def _borrow(self, seq_id: int, tokens: list[int], request: Request) -> int:
         """Fill the empty ``seq_id`` with the longest prefix of ``tokens`` that another live sequence or a parked
         conversation holds (shared prefixes); returns the cells it got."""
@@ -317,7 +381,7 @@ class Slots:
     def parked_candidates(self) -> list[Conversation]:
         """The conversations this runtime parked that still hold their state in host RAM."""
         alive = [conv for conv in self._parked if conv.where == "host" and conv.buffer is not None]
-        self._parked = alive
+        self._parked[:] = alive  # in place: a cold context shares the list
         return list(alive)
 
     # -- steps -----------------------------------------------------------------------------------------
@@ -437,34 +501,32 @@ def common_prefix(tokens: list[int], other: list[int], limit: int) -> int:
     return n
 
 
-class SlotRuntime:
-    """What every runtime built on :class:`Slots` shares (the llama.cpp one, the fake one, the gated wrapper): the
-    reading of its conversations and a request run alone. A subclass provides ``slots``, ``begin`` and ``step``."""
+def never_hold() -> bool:
+    return False
 
-    slots: Slots
 
-    @property
-    def busy(self) -> bool:
-        return self.slots.busy
+@dataclass(frozen=True)
+class ColdNeeded:
+    """:meth:`SlotRuntime.begin`'s answer to a request longer than the hot pool: open a cold context of ``cells``
+    (:meth:`SlotRuntime.open_cold`), then begin it again with ``cold=True``."""
 
-    @property
-    def live(self) -> list[Conversation]:
-        return self.slots.live
+    cells: int
 
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling, *,
-              on_token: Callable[[Token], None] | None = None,
-              cancelled: Callable[[], bool] | None = None) -> Request | None:
-        raise NotImplementedError
 
-    def step(self) -> list[Request]:
-        raise NotImplementedError
+class RequestRunner:
+    """A request run to its end alone, for any runtime with ``begin``, ``step`` and ``open_cold`` (tests,
+    benchmarks)."""
 
     def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        """One request run to its end alone (tests, benchmarks): :meth:`begin`, then :meth:`step` until it ends."""
+        """One request run to its end alone (tests, benchmarks): :meth:`begin` (in a cold context when it
+        is longer than the hot pool), then :meth:`step` until it ends."""
         request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled)
-        if request is None:
+        if isinstance(request, ColdNeeded):
+            self.open_cold(request.cells)
+            request = self.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled, cold=True)
+        if request is None or isinstance(request, ColdNeeded):
             raise ApplianceError("INTERNAL", "every sequence of the context is busy")
         while not request.done:
             self.step()
@@ -472,3 +534,265 @@ class SlotRuntime:
             raise request.error
         assert request.generation is not None
         return request.generation
+
+
+class SlotRuntime(RequestRunner):
+    """What every runtime built on :class:`Slots` shares (the llama.cpp one, the fake one): the live context and
+    its tuning (hot pool size, plan, threads: SPEC E2-E4), the cold context of a request longer than the hot pool,
+    and a request run alone. A subclass builds and frees contexts (:meth:`_new_context`, :meth:`_free`) and sets
+    ``slots``, ``context``, ``tuning``, ``n_ctx`` and ``live_slots``.
+
+    * **Retuning** happens between requests: :meth:`prepare` builds the next context beside the live one (the
+      daemon runs it as its own engine job, between steps: ``async_switch``), :meth:`switch` carries the live
+      conversations over to it once no request is in flight; :meth:`retune` does both at once. Threads change in
+      place (:meth:`set_threads`).
+    * **Cold path**: a request needing more cells than the whole hot pool gets :class:`ColdNeeded`; the caller opens
+      a one-sequence context of that size (:meth:`open_cold`) and begins it there. When it ends the cold context
+      is freed in the same step, and its conversation goes back into the hot pool if it fits without parking
+      anyone, else stays parked in host RAM.
+    """
+
+    slots: Slots
+    context: SequenceContext | None
+    tuning: Tuning
+    n_ctx: int
+    live_slots: int
+    cold: Slots | None = None
+    _next: tuple[SequenceContext, Tuning] | None = None
+
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> SequenceContext:
+        raise NotImplementedError
+
+    def _free(self, context: SequenceContext) -> None:
+        raise NotImplementedError
+
+    # -- reading ---------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.slots.busy or (self.cold is not None and self.cold.busy)
+
+    @property
+    def live(self) -> list[Conversation]:
+        return self.slots.live + (self.cold.live if self.cold is not None else [])
+
+    @property
+    def has_context(self) -> bool:
+        return self.context is not None
+
+    @property
+    def pool_cells(self) -> int:
+        """The hot pool's KV cells (0 without a live context)."""
+        return self.context.n_ctx if self.context is not None else 0
+
+    @property
+    def cold_cells(self) -> int:
+        """The cold context's KV cells (0 without one)."""
+        return self.cold.context.n_ctx if self.cold is not None else 0
+
+    @property
+    def threads(self) -> int:
+        """The live context's threads, read back from it (the tuning's without a context)."""
+        return self.context.threads if self.context is not None else self.tuning.threads
+
+    def any_cancelled(self) -> bool:
+        return self.slots.any_cancelled() or (self.cold is not None and self.cold.any_cancelled())
+
+    # -- the live context --------------------------------------------------------------------------------
+    def open_context(self) -> None:
+        """Build the live context with the current tuning (no-op when open)."""
+        if self.context is not None:
+            return
+        self.context = self._new_context(self.tuning.pool_cells, self.live_slots, self.tuning.plan,
+                                         self.tuning.threads)
+        self.slots.context = self.context
+
+    def close_context(self) -> list[Conversation]:
+        """Park every live conversation in host RAM and free the context (and a prepared or cold one); returns the
+        parked ones. No request may be in flight."""
+        if self.context is None:
+            return []
+        if self.busy:
+            raise ApplianceError("INTERNAL", "the context still has requests in flight")
+        parked = self._drop_cold()
+        parked += self.slots.park_all()
+        self._drop_next()
+        self._free(self.context)
+        self.context = None
+        self.slots.context = None  # type: ignore[assignment]
+        return parked
+
+    # -- tuning (SPEC E2-E4) ---------------------------------------------------------------------------
+    def prepare(self, tuning: Tuning) -> None:
+        """Build the context ``tuning`` asks for beside the live one; :meth:`switch` puts it in place. Nothing
+        without a live context (it was freed meanwhile)."""
+        self._drop_next()
+        if self.context is None:
+            return
+        self._next = (self._new_context(tuning.pool_cells, self.live_slots, tuning.plan, tuning.threads), tuning)
+
+    @property
+    def prepared(self) -> Tuning | None:
+        return self._next[1] if self._next is not None else None
+
+    def switch(self) -> list[Conversation] | None:
+        """Put the prepared context in place of the live one, the live conversations carried over (the least
+        recently used parked if they do not all fit); returns the parked ones. None (nothing changes) while a
+        request is in flight, or with nothing prepared."""
+        if self._next is None or self.context is None or self.slots.busy:
+            return None
+        context, tuning = self._next
+        self._next = None
+        parked = self.slots.move_to(context)
+        old, self.context = self.context, context
+        self._free(old)
+        self.tuning = tuning
+        return parked
+
+    def retune(self, tuning: Tuning) -> list[Conversation] | None:
+        """:meth:`prepare` and :meth:`switch` now (None, nothing built, while a request is in flight)."""
+        if self.context is None or self.slots.busy:
+            return None
+        self.prepare(tuning)
+        return self.switch()
+
+    def set_threads(self, n_threads: int) -> None:
+        """Decode with ``n_threads`` from the next step on, in every context of the model."""
+        for context in (self.context, self._next[0] if self._next else None,
+                        self.cold.context if self.cold else None):
+            if context is not None:
+                context.set_threads(n_threads)
+        self.tuning = replace(self.tuning, threads=n_threads)
+        if self._next is not None:
+            self._next = (self._next[0], replace(self._next[1], threads=n_threads))
+
+    def drop_prepared(self) -> None:
+        """Free a prepared context that will not be switched in."""
+        self._drop_next()
+
+    def _drop_next(self) -> None:
+        if self._next is not None:
+            context, self._next = self._next[0], None
+            self._free(context)
+
+    # -- the cold path ---------------------------------------------------------------------------------
+    def open_cold(self, cells: int) -> None:
+        """Build a one-sequence cold context of at least ``cells`` cells (no-op when an idle one is as large)."""
+        if self.cold is not None:
+            if self.cold.busy:
+                raise ApplianceError("INTERNAL", "the cold context is in use")
+            if self.cold.context.n_ctx >= cells:
+                return
+            self._drop_cold()
+        context = self._new_context(cells, 1, "L", self.tuning.threads)
+        self.cold = Slots(context, self.slots.vocabulary, n_ctx=self.n_ctx)
+        self.cold.share_parked(self.slots)
+
+    def close_cold(self) -> list[Conversation]:
+        """Free the cold context if it is idle (see :meth:`_drop_cold`)."""
+        return self._drop_cold()
+
+    def _drop_cold(self) -> list[Conversation]:
+        """Free an idle cold context; its conversation goes back into the hot pool when it fits without parking
+        anyone, else stays parked. Returns the conversations left parked."""
+        if self.cold is None or self.cold.busy:
+            return []
+        cold, self.cold = self.cold, None
+        parked = cold.park_all()
+        self._free(cold.context)
+        left: list[Conversation] = []
+        for conv in parked:
+            if self.context is not None and self.slots.can_take(max(conv.n_evaluated, 1)):
+                self.slots.restore(conv)
+            else:
+                self.slots.adopt(conv)
+                left.append(conv)
+        return left
+
+    # -- requests --------------------------------------------------------------------------------------
+    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
+              on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
+              on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
+              before_park: Callable[[Conversation], None] | None = None,
+              cold: bool = False) -> Request | ColdNeeded | None:
+        """Start a request (:meth:`Slots.begin`) in the hot pool, or with ``cold`` in the cold context (opened
+        before). :class:`ColdNeeded` when it is longer than the hot pool; None when it must wait."""
+        if self.context is None:
+            raise ApplianceError("INTERNAL", "the model has no live context")
+        slots = self.slots
+        if cold:
+            if self.cold is None:
+                raise ApplianceError("INTERNAL", "no cold context was opened")
+            if self.cold.busy:
+                return None
+            if slots.holds(conv):
+                slots.park(conv)
+            slots = self.cold
+        try:
+            request = slots.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancelled,
+                                  on_done=on_done, ephemeral=ephemeral, before_park=before_park)
+        except PoolTooSmall as exc:
+            if cold:
+                raise ApplianceError("INTERNAL", "the cold context is smaller than its request") from None
+            return ColdNeeded(exc.cells)
+        if request is not None:
+            request.cold = cold
+            request.plan = "L" if cold else self.tuning.plan
+            request.threads = slots.context.threads
+        return request
+
+    def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
+        """One batched decode of every request in flight (the hot context's, then the cold one's); the requests
+        that ended. A cold context whose request ended is freed here."""
+        ended: list[Request] = []
+        if self.context is not None:
+            ended += self.slots.step(hold)
+        if self.cold is not None and self.cold.busy:
+            ended += self.cold.step(hold)
+            if not self.cold.busy:
+                self._drop_cold()
+        return ended
+
+    def detach(self, conv: Conversation) -> None:
+        if self.cold is not None and self.cold.holds(conv):
+            self.cold.detach(conv)
+        else:
+            self.slots.detach(conv)
+
+    def park(self, conv: Conversation) -> None:
+        """Park ``conv`` (live, no request in flight) in host RAM now."""
+        if self.cold is not None and self.cold.holds(conv):
+            self.cold.park(conv)
+        else:
+            self.slots.park(conv)
+
+    def cancel_all(self, error: BaseException) -> None:
+        if self.context is not None:
+            self.slots.cancel_all(error)
+        if self.cold is not None:
+            self.cold.cancel_all(error)
+
+    def free_contexts(self) -> None:
+        """Free every context (the model is closing; requests were cancelled)."""
+        self._drop_next()
+        if self.cold is not None:
+            self._free(self.cold.context)
+            self.cold = None
+        if self.context is not None:
+            self._free(self.context)
+        self.context = None
+        self.slots.context = None  # type: ignore[assignment]
+
+    def warm_up(self, prompt: str, n_tokens: int, sampling: Sampling = GREEDY) -> Request | None:
+        """A warm-up generation (SPEC E5) on a throwaway conversation, run to its end now, never held at a test
+        gate; None (nothing run) while a request is in flight, without a live context, or when it would park a
+        conversation to make room (a prompt has at most one token per byte, plus the BOS)."""
+        if self.context is None or self.busy:
+            return None
+        if not self.slots.can_take(len(prompt.encode("utf-8")) + 1 + n_tokens):
+            return None
+        request = self.begin(Conversation(), prompt, n_tokens, sampling, ephemeral=True)
+        if not isinstance(request, Request):
+            return None
+        while not request.done:
+            self.step(never_hold)
+        return request

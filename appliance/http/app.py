@@ -53,6 +53,7 @@ def health_document(appliance: Appliance) -> dict:
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
+            "warming": sorted(daemon.adaptive.warming) if daemon else [],  # models whose warm-up runs now (E5)
             "engine": snapshot.get("engine"), "contexts": snapshot.get("contexts", []),
             "parked_agents": [{"id": a["id"], "model": a["model"], "bytes": a["state_bytes"]}
                               for a in snapshot.get("agents", []) if a["state"] == "host"],

@@ -47,6 +47,17 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Time-to-first-token buckets (a prompt's prefill, after any wait for the engine)."""
 
+PROFILE_FIGURES = {
+    "input_tokens": ("appliance_profile_input_tokens", "Input tokens of a model's sampled requests, by quantile."),
+    "output_tokens": ("appliance_profile_output_tokens", "Output tokens of a model's sampled requests, by quantile."),
+    "ttft_s": ("appliance_profile_ttft_seconds", "Time to first token of a model's sampled requests, by quantile."),
+    "kv_cells_peak": ("appliance_profile_kv_cells_peak", "The most KV cells a model's sampled requests' "
+                      "conversations held, by quantile."),
+}
+"""The load-profile figures on the page: the profile's field -> the metric's name and help."""
+PROFILE_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
+"""A profile percentile's key -> its ``quantile`` label (Prometheus' convention)."""
+
 GIE_WAITING = "appliance_requests_waiting"
 GIE_RUNNING = "appliance_requests_running"
 GIE_KV_USAGE = "appliance_kv_cache_usage_ratio"
@@ -94,6 +105,9 @@ class DaemonCollector(Collector):
         snapshot = daemon.snapshot()
         yield from self.memory(snapshot)
         yield from self.inventory(snapshot)
+        yield from self.tuning(snapshot)
+        yield from self.profiles(snapshot["profiles"])
+        yield from self.agent_kv(snapshot["agents"])
         yield from self.kv(daemon, snapshot["counters"])
         yield from self.gateway(daemon)
         yield from self.traffic(appliance, daemon)
@@ -155,6 +169,68 @@ class DaemonCollector(Collector):
             context_bytes.add_metric([context["model"]], context["kv_bytes"])
         yield slots
         yield context_bytes
+
+    @staticmethod
+    def tuning(snapshot: dict) -> Iterator[Metric]:
+        """Each live context's hot pool, cold pool and threads (SPEC E7)."""
+        hot_cells = GaugeMetricFamily("appliance_hot_pool_cells", "KV cells of a model's live (hot) context.",
+                                      labels=["model"])
+        hot_bytes = GaugeMetricFamily("appliance_hot_pool_bytes", "The ledger bytes of a model's hot pool.",
+                                      labels=["model"])
+        cold_cells = GaugeMetricFamily("appliance_cold_pool_cells", "KV cells of a model's cold context (a request "
+                                       "longer than the hot pool runs there; 0 when none is open).",
+                                       labels=["model"])
+        cold_bytes = GaugeMetricFamily("appliance_cold_pool_bytes", "The ledger bytes of a model's cold context "
+                                       "(0 when none is open).", labels=["model"])
+        threads = GaugeMetricFamily("appliance_threads", "Threads a model's live context decodes with.",
+                                    labels=["model"])
+        for context in snapshot["contexts"]:
+            model = context["model"]
+            hot_cells.add_metric([model], context["pool_cells"])
+            hot_bytes.add_metric([model], context["pool_bytes"])
+            cold_cells.add_metric([model], context["cold_cells"])
+            cold_bytes.add_metric([model], context["cold_bytes"])
+            threads.add_metric([model], context["threads"])
+        yield hot_cells
+        yield hot_bytes
+        yield cold_cells
+        yield cold_bytes
+        yield threads
+
+    @staticmethod
+    def profiles(profiles: dict[str, dict]) -> Iterator[Metric]:
+        """Each model's load profile (SPEC E1, E7): the P50/P90/P99 of its window, and how many requests it
+        holds."""
+        families = {figure: GaugeMetricFamily(name, documentation, labels=["model", "quantile"])
+                    for figure, (name, documentation) in PROFILE_FIGURES.items()}
+        sampled = GaugeMetricFamily("appliance_profile_requests_sampled", "Requests a model's load profile kept "
+                                    "since it was made (one in every engine.adaptive_sample_rate).",
+                                    labels=["model"])
+        in_window = GaugeMetricFamily("appliance_profile_window_requests", "Requests in a model's load profile "
+                                      "window now (warm-up runs included): what its quantiles are taken over.",
+                                      labels=["model"])
+        for model, summary in profiles.items():
+            sampled.add_metric([model], summary["sampled"])
+            in_window.add_metric([model], summary["in_window"])
+            for figure, family in families.items():
+                for key, quantile in PROFILE_QUANTILES.items():
+                    found = summary["percentiles"][figure][key]
+                    if found is not None:  # an empty window has no quantiles
+                        family.add_metric([model, quantile], found)
+        yield from families.values()
+        yield sampled
+        yield in_window
+
+    @staticmethod
+    def agent_kv(agents: list[dict]) -> Iterator[Metric]:
+        """KV cells of the agents whose conversation is in a live context (``engine.live_slots`` per context at
+        most, so the series stay few however many agents are registered)."""
+        cells = GaugeMetricFamily("appliance_agent_kv_cells", "KV cells an agent's conversation holds in its "
+                                  "model's live context (agents whose KV is on the device only).", labels=["agent"])
+        for agent in agents:
+            if agent["state"] == "device":
+                cells.add_metric([agent["id"]], agent["kv_cells"])
+        yield cells
 
     @staticmethod
     def kv(daemon: Daemon, counters: dict[str, int]) -> Iterator[Metric]:
@@ -223,6 +299,8 @@ class ApplianceMetrics:
         self.latency = Histogram("appliance_request_duration_seconds", "Completed generation requests' duration, "
                                  "as their surface saw it (waiting included).", labels, buckets=LATENCY_BUCKETS_S,
                                  registry=self.registry)
+        self.by_plan = Counter("appliance_requests_by_plan", "Generation requests by model and the plan their "
+                               "context ran with (S, M, L, or fixed).", ["model", "plan"], registry=self.registry)
         self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from a generation's start on the "
                               "engine to its first token (its prefill).", labels, buckets=TTFT_BUCKETS_S,
                               registry=self.registry)
@@ -238,6 +316,8 @@ class ApplianceMetrics:
                 self.latency.labels(*labels).observe(record.elapsed_s)
             if record.ttft_s is not None:
                 self.ttft.labels(*labels).observe(record.ttft_s)
+            if record.plan is not None:  # the request reached a context
+                self.by_plan.labels(record.model, record.plan).inc()
         except Exception:
             log.exception("metrics: a request record could not be counted")
 

@@ -179,7 +179,10 @@ class Done:
         return schema.finish_reason(self.result.generation.stop_reason)
 
     def usage(self) -> dict[str, Any]:
-        generation = self.result.generation
+        """OpenAI's ``usage`` and the appliance's extensions (docs/openai-api.md): ``prompt_evaluated``, the
+        generation's times (``ttft_ms`` null when no token was generated), its peak memory, plan and threads."""
+        result = self.result
+        generation = result.generation
         total = self.cached_tokens + generation.prompt_tokens
         cached = self.cached_tokens
         if generation.prompt_evaluated is not None:  # a shared prefix (L10) saved more than the conversation held
@@ -187,6 +190,11 @@ class Done:
         body = schema.usage(total, generation.generated_tokens, cached)
         if generation.prompt_evaluated is not None:
             body["prompt_evaluated"] = generation.prompt_evaluated
+        body["ttft_ms"] = round(generation.ttft_s * 1000, 3) if generation.ttft_s is not None else None
+        body["elapsed_ms"] = round(generation.elapsed_s * 1000, 3)
+        body["peak_memory_bytes"] = result.peak_memory_bytes
+        body["plan"] = result.plan
+        body["threads"] = result.threads
         return body
 
 

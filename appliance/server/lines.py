@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from appliance.daemon.core import Daemon
+from appliance.daemon.core import Daemon, DecodeResult
 from appliance.engine.interface import GREEDY
 from appliance.errors import ApplianceError
 from appliance.protocol import lines
@@ -35,6 +35,7 @@ def status_body(snapshot: dict[str, Any]) -> list[str]:
     body += lines.format_records("context", snapshot["contexts"])
     body += lines.format_records("model", [yes_no(model, "retired") for model in snapshot["models"]])
     body += lines.format_records("agent", snapshot["agents"])
+    body += lines.format_records("profile", profile_records(snapshot["profiles"]))
     body += lines.format_records("counters", [snapshot["counters"]])
     for key, value in snapshot.get("extra", {}).items():  # one record, or a list of them (the reload history)
         if isinstance(value, list):
@@ -42,6 +43,39 @@ def status_body(snapshot: dict[str, Any]) -> list[str]:
         else:
             body.append(f"{key} {lines.format_fields(value)}")
     return body
+
+
+def profile_records(profiles: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One STATUS ``profile`` record per model from its :meth:`~appliance.engine.profile.LoadProfile.summary`:
+    the counts, then each figure's percentiles flat (``input_tokens_p50=…``; ``none`` while the window is
+    empty)."""
+    records = []
+    for model, summary in profiles.items():
+        record: dict[str, Any] = {"model": model}
+        for key, value in summary.items():
+            if key != "percentiles":
+                record[key] = value
+        for figure, quantiles in summary["percentiles"].items():
+            for quantile, value in quantiles.items():
+                record[f"{figure}_{quantile}"] = value
+        records.append(record)
+    return records
+
+
+def results_header(result: DecodeResult) -> dict[str, Any]:
+    """A DECODE's counts and what it ran with (SPEC E6): the first header line of its reply."""
+    gen = result.generation
+    return {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
+            "stopped_on_eos": gen.stopped_on_eos,
+            "prompt_evaluated": gen.prompt_evaluated if gen.prompt_evaluated is not None else gen.prompt_tokens,
+            "peak_memory_bytes": result.peak_memory_bytes, "plan": result.plan, "threads": result.threads}
+
+
+def timings_header(result: DecodeResult) -> dict[str, Any]:
+    """A DECODE's times in milliseconds; ``ttft_ms=none`` when no token was generated."""
+    gen = result.generation
+    ttft_ms = round(gen.ttft_s * 1000, 3) if gen.ttft_s is not None else None
+    return {"elapsed_ms": round(gen.elapsed_s * 1000, 3), "ttft_ms": ttft_ms}
 
 
 def list_body(daemon: Daemon) -> list[str]:
@@ -89,17 +123,14 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     assert name == "DECODE" and command.n_tokens is not None
     result = await outcome.generate(daemon, surface="lines", prompt=command.prompt, max_tokens=command.n_tokens,
                                     sampling=GREEDY, session_id=command.agent, cancel=cancel)
-    gen = result.generation
     headers: list[dict[str, Any]] = [
-        {"prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
-         "stopped_on_eos": gen.stopped_on_eos,
-         "prompt_evaluated": gen.prompt_evaluated if gen.prompt_evaluated is not None else gen.prompt_tokens},
-        {"elapsed_ms": round(gen.elapsed_s * 1000, 3)},
+        results_header(result),
+        timings_header(result),
         {"kv_swap_evicted": result.evicted or "none", "kv_swap_restored": result.restored},
     ]
     if result.notice is not None:  # once: its model was reloaded with another vocabulary
         headers.append({"notice": result.notice})
-    return lines.format_reply("DECODE", headers, body=[gen.text], agent_id=command.agent)
+    return lines.format_reply("DECODE", headers, body=[result.generation.text], agent_id=command.agent)
 
 
 READ_AHEAD_BYTES = 1 << 16

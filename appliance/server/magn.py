@@ -266,12 +266,15 @@ STOP_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def completion(task_id: str, result: DecodeResult) -> m.TaskComplete:
+    """The TASK_COMPLETE of a finished generation (SPEC E6): its times in ``timings`` (``ttft_ms`` left out when
+    no token was generated), its peak memory, plan and threads in ``stats``."""
     gen = result.generation
     timings = {"elapsed_ms": gen.elapsed_s * 1000}
     if gen.ttft_s is not None:
         timings["ttft_ms"] = gen.ttft_s * 1000
     stats: dict[str, object] = {"model": result.model, "kv_swap_evicted": result.evicted,
-                                "kv_swap_restored": result.restored}
+                                "kv_swap_restored": result.restored, "peak_memory_bytes": result.peak_memory_bytes,
+                                "plan": result.plan, "threads": result.threads}
     if gen.prompt_evaluated is not None:  # tokens evaluated before the first new one (shared prefixes skip some)
         stats["prompt_evaluated"] = gen.prompt_evaluated
     if result.notice is not None:  # once: its model was reloaded with another vocabulary

@@ -102,4 +102,5 @@ def request_record(daemon: Daemon, surface: Surface, session_id: str | None, mod
         generated_tokens=generation.generated_tokens if generation is not None else 0,
         ttft_s=generation.ttft_s if generation is not None else None,
         elapsed_s=elapsed_s, outcome=outcome, error=failure.code if failure is not None else None,
-        stop_reason=generation.stop_reason if generation is not None else None)
+        stop_reason=generation.stop_reason if generation is not None else None,
+        plan=result.plan if result is not None else None)

@@ -1,5 +1,6 @@
-"""The dashboard: the ledger bar, device memory, models, agents, tokens/s and recent requests; the page polls its
-``_dashboard.html`` fragment (``/admin/_dashboard``) every :data:`POLL_S` seconds."""
+"""The dashboard: the ledger bar, device memory, models, agents, tokens/s and recent requests, and each model's
+tuning (pools, plan, threads, load profile); the page polls its ``_dashboard.html`` fragment
+(``/admin/_dashboard``) and its ``_tuning.html`` fragment (``/admin/_tuning``) every :data:`POLL_S` seconds."""
 
 from __future__ import annotations
 
@@ -59,6 +60,41 @@ def agent_row(daemon: Daemon, agent: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+PROFILE_ROWS = (("input_tokens", "Input tokens"), ("output_tokens", "Output tokens"), ("ttft_s", "First token"),
+                ("kv_cells_peak", "KV cells (peak)"))
+"""The load-profile figures a tuning panel shows (the profile's field, its row's label); ``ttft_s`` is a time."""
+
+
+def tuning_panels(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """One tuning panel per model with a live context or a load profile (SPEC E7): its live context's record
+    (None without one: then no pool, plan or threads), whether it is adaptive, and its profile's rows (label,
+    P50, P90, P99; None while the window is empty) with the profile's counts."""
+    contexts = {context["model"]: context for context in snapshot["contexts"]}
+    profiles = snapshot["profiles"]
+    names = list(contexts) + [name for name in profiles if name not in contexts]
+    panels = []
+    for name in names:
+        context = contexts.get(name)
+        summary = profiles.get(name)
+        rows = []
+        if summary is not None:
+            for figure, label in PROFILE_ROWS:
+                found = summary["percentiles"][figure]
+                rows.append({"figure": figure, "label": label, "p50": found["p50"], "p90": found["p90"],
+                             "p99": found["p99"]})
+        adaptive = context["adaptive"] if context is not None else snapshot["engine"]["adaptive"]
+        panels.append({"model": name, "context": context, "adaptive": adaptive, "profile": summary, "rows": rows})
+    return panels
+
+
+def tuning_of(appliance: Appliance) -> dict[str, Any]:
+    """What the tuning fragment shows, read from memory."""
+    daemon = appliance.daemon
+    assert daemon is not None
+    snapshot = daemon.snapshot()
+    return {"engine": snapshot["engine"], "panels": tuning_panels(snapshot), "poll_s": POLL_S}
+
+
 def figures_of(appliance: Appliance) -> dict[str, Any]:
     """Everything the dashboard fragment shows, read from memory."""
     daemon = appliance.daemon
@@ -92,7 +128,8 @@ async def root(request: Request) -> Response:
 
 async def dashboard(request: Request) -> Response:
     render.daemon_of(request)
-    return render.page(request, "dashboard.html", "dashboard", **figures_of(request.app.state.appliance))
+    appliance = request.app.state.appliance
+    return render.page(request, "dashboard.html", "dashboard", **figures_of(appliance), tuning=tuning_of(appliance))
 
 
 async def dashboard_partial(request: Request) -> Response:
@@ -100,9 +137,15 @@ async def dashboard_partial(request: Request) -> Response:
     return render.fragment("_dashboard.html", **figures_of(request.app.state.appliance))
 
 
+async def tuning_partial(request: Request) -> Response:
+    render.daemon_of(request)
+    return render.fragment("_tuning.html", tuning=tuning_of(request.app.state.appliance))
+
+
 routes = [
     Route("/", root, methods=["GET"]),
     Route("/admin", root, methods=["GET"]),
     Route("/admin/", dashboard, methods=["GET"]),
     Route("/admin/_dashboard", dashboard_partial, methods=["GET"]),
+    Route("/admin/_tuning", tuning_partial, methods=["GET"]),
 ]

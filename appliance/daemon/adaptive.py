@@ -1,0 +1,398 @@
+"""The adaptive loop: the daemon's side of the adaptive engine (SPEC E1-E5). It samples, asks each model's pure
+:class:`~appliance.engine.adaptive.Tuner` what its live context should be, and applies the answer through the
+engine and the ledger.
+
+* **Sample.** Every finished request of a model becomes a :class:`~appliance.engine.profile.RequestSample` in its
+  tuner's profile (:meth:`AdaptiveLoop.observe`); the CPU is read about once a second (:meth:`AdaptiveLoop.tick`:
+  ``/proc/stat`` and this process's own ticks).
+* **Threads** change in place at the next step (``llama_set_n_threads``), for every loaded model.
+* **Pool and plan.** A sampled request may change what the tuner wants. The new context's bytes are reserved under
+  :func:`next_key` first (a denial keeps the context as it is); with ``engine.async_switch`` it is built in its own
+  engine job beside the live one, and swapped in once no request of the model is in flight (its live
+  conversations carried over); without, the model's next request rebuilds it inline before it starts. Then the
+  live context's ledger key takes the new figure and the temporary key goes.
+* **Cold path.** A request longer than the hot pool reserves a one-sequence context of its size under
+  :func:`cold_key` (one at a time per model), runs there, and the key is released when it ends.
+* **Warm-up** (E5): ``engine.warmup_runs`` short generations seed a newly loaded model's profile, in their own
+  engine queue and only while no request of the model is in flight; health says ``warming`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from appliance.engine import gguf_meta, tuning
+from appliance.engine.adaptive import POOL_GRANULARITY, CpuShare, Settings, Tuner, Tuning, cpu_share
+from appliance.engine.interface import GREEDY, Conversation
+from appliance.engine.profile import RequestSample
+from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from appliance.daemon.core import Daemon, Model
+
+log = logging.getLogger(__name__)
+
+CPU_INTERVAL_S = 1.0
+"""How often :meth:`AdaptiveLoop.tick` reads the CPU."""
+SWITCH_POLL_S = 0.02
+"""How often a prepared context looks whether its model's requests in flight have ended."""
+WARMUP_TOKENS = 8
+WARMUP_WORDS = (8, 16, 32, 64)
+"""Prompt lengths (words) the warm-up runs cycle through: short agent turns."""
+
+
+def next_key(name: str) -> str:
+    """The ledger key of a model's next context while it is prepared beside the live one."""
+    return f"{name} (next)"
+
+
+def cold_key(name: str) -> str:
+    """The ledger key of a model's cold context."""
+    return f"{name} (cold)"
+
+
+def read_cpu() -> tuple[tuple[int, ...], int]:
+    """``/proc/stat``'s aggregate counters and this process's user + system clock ticks (``/proc/self/stat``)."""
+    with open("/proc/stat") as fh:
+        counters = tuning.parse_proc_stat(fh.read())
+    with open("/proc/self/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return counters, int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, capped by the cgroup v2 quota (``cpu.max``) if any."""
+    affinity = len(os.sched_getaffinity(0))
+    quota: int | None = None
+    period: int | None = None
+    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/cpu.max") as fh:
+        quota, period = tuning.parse_cpu_max(fh.read())
+    return tuning.usable_cores(affinity, quota, period)
+
+
+def log_failure(job: asyncio.Future[Any]) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        log.error("adaptive engine: an engine job failed", exc_info=job.exception())
+
+
+def warmup_prompt(index: int) -> str:
+    words = WARMUP_WORDS[index % len(WARMUP_WORDS)]
+    return " ".join(f"warm{n % 10}" for n in range(words))
+
+
+class AdaptiveLoop:
+    """Samples, decides and applies for every model of ``daemon`` (module docstring). Event loop only."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.cores = usable_cores()
+        self.cpu: CpuShare | None = None
+        self._last: tuple[tuple[int, ...], int] | None = None
+        self.warming: set[str] = set()
+        self.switches = 0
+        self.colds = 0
+        self.tasks: set[asyncio.Task[Any]] = set()  # warm-ups running
+
+    async def close(self) -> None:
+        """Stop the warm-ups and retunes in progress (shutdown)."""
+        tasks = [*self.tasks, *(m.retuning for m in self.daemon.models.values() if m.retuning is not None)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- settings --------------------------------------------------------------------------------------
+    def settings(self) -> Settings:
+        engine = self.daemon.config.engine
+        return Settings(
+            adaptive=engine.adaptive,
+            window_size=engine.adaptive_window_size,
+            sample_rate=engine.adaptive_sample_rate,
+            hot_pool_slack=engine.hot_pool_slack,
+            plan_boundaries=engine.plan_boundaries,
+            thread_idle_thresholds=engine.thread_idle_thresholds,
+            fixed_threads=engine.threads or self.daemon.engine.n_threads,
+            pinned_threads=engine.threads > 0,
+        )
+
+    def tuner(self, model: Model) -> Tuner:
+        """``model``'s tuner (made on first use, with the current settings)."""
+        if model.tuner is None:
+            model.tuner = Tuner(self.settings(), model.spec.n_ctx, self.cores)
+        return model.tuner
+
+    def reconfigure(self) -> None:
+        """The config changed (a reload): every tuner takes the new settings; loaded models are retuned."""
+        settings = self.settings()
+        for model in list(self.daemon.models.values()):
+            if model.tuner is None:
+                continue
+            model.tuner.reconfigure(settings, model.spec.n_ctx)
+            if model.runtime is not None:
+                self.schedule(model)
+
+    # -- ledger figures ---------------------------------------------------------------------------------
+    def context_bytes(self, model: Model, cells: int) -> int:
+        """The ledger figure of a context of ``cells`` KV cells for ``model`` (KV + compute margin); 0 with an
+        operator's ``vram_bytes`` (that one figure covers every context)."""
+        spec = model.spec
+        if spec.vram_bytes is not None:
+            return 0
+        if model.shape is None:
+            model.shape = gguf_meta.read_model_shape(spec.path)
+        table = gguf_meta.estimate(model.shape, cells, spec.cache_type)
+        return table.kv + table.compute
+
+    def reserve(self, key: str, nbytes: int) -> None:
+        """Reserve ``nbytes`` under ``key`` (nothing for 0: an operator's ``vram_bytes`` covers every context)."""
+        if nbytes:
+            self.daemon.ledger.try_reserve(key, nbytes)
+
+    # -- sampling ---------------------------------------------------------------------------------------
+    def observe(self, model: Model, request: Any) -> None:
+        """A request of ``model`` ended (loop side): its sample goes to the profile; a sampled one may retune."""
+        generation = request.generation
+        if generation is None or request.error is not None or generation.stop_reason == "cancelled":
+            return
+        ttft = generation.ttft_s if generation.ttft_s is not None else generation.elapsed_s
+        sample = RequestSample(
+            input_tokens=request.prompt_tokens,
+            output_tokens=generation.generated_tokens,
+            prompt_evaluated=generation.prompt_evaluated or 0,
+            ttft_s=max(0.0, ttft),
+            decode_s=max(0.0, generation.elapsed_s - ttft),
+            kv_cells_used=request.conv.n_evaluated,
+            kv_cells_peak=request.demand,
+            live_sequences=request.live_sequences,
+            threads=request.threads,
+            queue_length=model.admission.waiting,
+        )
+        if self.tuner(model).observe(sample):
+            self.schedule(model)
+
+    def tick(self) -> None:
+        """Read the CPU (every :data:`CPU_INTERVAL_S`) and move every loaded model's threads if their tuner says so."""
+        reading = read_cpu()
+        last, self._last = self._last, reading
+        if last is None:
+            return
+        try:
+            self.cpu = cpu_share(last[0], reading[0], reading[1] - last[1], os.cpu_count() or 1)
+        except ValueError:  # no time passed between the two readings
+            return
+        for model in list(self.daemon.models.values()):
+            if model.runtime is not None and model.tuner is not None and model.tuner.settings.adaptive:
+                self.schedule(model, threads_only=True)
+
+    async def run_ticks(self, stop: asyncio.Event | None = None) -> None:
+        """:meth:`tick` every :data:`CPU_INTERVAL_S` until cancelled (or ``stop`` is set)."""
+        while stop is None or not stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("adaptive engine: the CPU reading failed")
+            await asyncio.sleep(CPU_INTERVAL_S)
+
+    # -- applying ---------------------------------------------------------------------------------------
+    def schedule(self, model: Model, *, threads_only: bool = False) -> None:
+        """Retune ``model`` in the background (one retune at a time per model)."""
+        if self.daemon.closing:
+            return
+        if model.retuning is not None and not model.retuning.done():
+            return
+        model.retuning = asyncio.get_running_loop().create_task(self.retune(model, threads_only=threads_only))
+
+    async def retune(self, model: Model, *, threads_only: bool = False) -> None:
+        try:
+            await self._retune(model, threads_only)
+        except ApplianceError as exc:
+            log.warning("model %s: retune failed: %s", model.key, exc)
+        except Exception:
+            log.exception("model %s: retune failed", model.key)
+
+    async def _retune(self, model: Model, threads_only: bool) -> None:
+        runtime = model.runtime
+        if runtime is None or not runtime.has_context:
+            return
+        tuner = self.tuner(model)
+        live_cells = sum(conv.n_evaluated for conv in runtime.live)
+        wanted = tuner.decide(live_cells, self.cpu)
+        current = runtime.tuning
+        if wanted.threads != current.threads:
+            await self.daemon.engine.call(runtime.set_threads, wanted.threads, queue=("tune", model.key))
+            log.info("model %s: %d threads (CPU share %.0f%% of %d cores)", model.key, wanted.threads,
+                     self.cpu.percent if self.cpu else 100.0, self.cores)
+        tuner.applied(Tuning(current.pool_cells, current.plan, wanted.threads))
+        if threads_only or (wanted.pool_cells, wanted.plan) == (current.pool_cells, current.plan):
+            return
+        if self.daemon.config.engine.async_switch:
+            await self.switch(model, wanted)
+        else:
+            model.pending = wanted  # the next request rebuilds it inline (apply_pending)
+
+    async def switch(self, model: Model, wanted: Tuning) -> bool:
+        """Build ``wanted``'s context beside the live one, then swap it in once the model has no request in
+        flight. False when the ledger denies it or the model's context went away meanwhile."""
+        daemon = self.daemon
+        runtime = model.runtime
+        if runtime is None:
+            return False
+        nbytes = self.context_bytes(model, wanted.pool_cells)
+        key = next_key(model.key)
+        try:
+            self.reserve(key, nbytes)
+        except ApplianceError:
+            log.info("model %s: a %d-cell pool (%d bytes) does not fit in the ledger now; kept %d cells",
+                     model.key, wanted.pool_cells, nbytes, runtime.tuning.pool_cells)
+            return False
+        switched = False
+        try:
+            started = time.perf_counter()
+            await daemon.engine.call(runtime.prepare, wanted, queue=("tune", model.key))
+            prepared = time.perf_counter() - started
+            while True:
+                if model.runtime is not runtime or runtime.prepared is None or not runtime.has_context:
+                    return False  # unloaded, or its context freed meanwhile
+                if model.active == 0:
+                    parked = await daemon.engine.call(runtime.switch, queue=("tune", model.key))
+                    if parked is not None:
+                        break
+                await asyncio.sleep(SWITCH_POLL_S)  # requests in flight: look again soon
+            if parked:
+                dropped = await daemon.engine.call(daemon.fit_host_kv, queue=("tune", model.key))
+                daemon.counters["host_kv_drops"] += len(dropped)
+            switched = True
+            self._installed(model, wanted, nbytes, parked)
+            log.info("model %s: context now %d cells, plan %s (built in %.0f ms beside the live one)", model.key,
+                     wanted.pool_cells, wanted.plan, prepared * 1000)
+            return True
+        finally:
+            if not switched:
+                daemon.ledger.release(key)
+                if model.runtime is runtime:
+                    job = daemon.engine.submit(runtime.drop_prepared, queue=("tune", model.key))
+                    asyncio.ensure_future(job).add_done_callback(log_failure)
+
+    async def apply_pending(self, model: Model) -> None:
+        """``async_switch: false``: rebuild the model's context now, inline (its next request waits for it)."""
+        wanted = model.pending
+        runtime = model.runtime
+        if wanted is None or runtime is None or runtime.busy or not runtime.has_context:
+            return
+        model.pending = None
+        nbytes = self.context_bytes(model, wanted.pool_cells)
+        key = next_key(model.key)
+        try:
+            self.reserve(key, nbytes)
+        except ApplianceError:
+            log.info("model %s: a %d-cell pool does not fit in the ledger now", model.key, wanted.pool_cells)
+            return
+        try:
+            parked = await self.daemon.engine.call(runtime.retune, wanted, queue=("tune", model.key))
+        except BaseException:
+            self.daemon.ledger.release(key)
+            raise
+        if parked is None:
+            self.daemon.ledger.release(key)
+            model.pending = wanted
+            return
+        if parked:
+            dropped = await self.daemon.engine.call(self.daemon.fit_host_kv, queue=("tune", model.key))
+            self.daemon.counters["host_kv_drops"] += len(dropped)
+        self._installed(model, wanted, nbytes, parked)
+        log.info("model %s: context rebuilt inline: %d cells, plan %s", model.key, wanted.pool_cells, wanted.plan)
+
+    def _installed(self, model: Model, wanted: Tuning, nbytes: int, parked: list[Conversation]) -> None:
+        """The context built for ``wanted`` is live: its ledger key takes the temporary key's bytes."""
+        ledger = self.daemon.ledger
+        from appliance.daemon.core import context_key
+
+        ledger.release(context_key(model.key))
+        if nbytes:
+            ledger.rename(next_key(model.key), context_key(model.key))
+        else:
+            ledger.release(next_key(model.key))
+        weights = (model.estimate or 0) - model.context_bytes
+        model.context_bytes = nbytes
+        model.estimate = weights + nbytes
+        self.tuner(model).applied(wanted)
+        self.switches += 1
+        self.daemon.counters["kv_swaps"] += len(parked)
+
+    # -- the cold path ------------------------------------------------------------------------------------
+    async def open_cold(self, model: Model, cells: int) -> None:
+        """Reserve and build ``model``'s cold context of ``cells`` cells (the caller holds ``model.cold_lock``)."""
+        runtime = model.runtime
+        if runtime is None:
+            raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+        cells = min(tuning.round_up(cells, POOL_GRANULARITY), max(model.spec.n_ctx, cells))
+        nbytes = self.context_bytes(model, cells)
+        key = cold_key(model.key)
+        self.reserve(key, nbytes)
+        try:
+            await self.daemon.engine.call(runtime.open_cold, cells, queue=("tune", model.key))
+        except BaseException:
+            self.daemon.ledger.release(key)
+            raise
+        model.cold_bytes = nbytes
+        self.colds += 1
+        log.info("model %s: cold context of %d cells for a long request (%d bytes)", model.key, cells, nbytes)
+
+    def close_cold(self, model: Model) -> None:
+        """The cold request ended (its context was freed in the step that ended it) or never started (its context
+        is freed by an engine job queued now): release its bytes."""
+        runtime = model.runtime
+        if runtime is not None and runtime.cold_cells:
+            job = self.daemon.engine.submit(runtime.close_cold, queue=("tune", model.key))
+            asyncio.ensure_future(job).add_done_callback(log_failure)
+        self.daemon.ledger.release(cold_key(model.key))
+        model.cold_bytes = 0
+        job = self.daemon.engine.submit(self.daemon.fit_host_kv, queue=("tune", model.key))  # it parked its own
+        asyncio.ensure_future(job).add_done_callback(self._count_drops)
+
+    def _count_drops(self, job: asyncio.Future[Any]) -> None:
+        log_failure(job)
+        if not job.cancelled() and job.exception() is None:
+            self.daemon.counters["host_kv_drops"] += len(job.result())
+
+    # -- warm-up (E5) -----------------------------------------------------------------------------------
+    def start_warmup(self, model: Model) -> None:
+        runs = self.daemon.config.engine.warmup_runs
+        if runs <= 0 or not self.daemon.config.engine.adaptive or model.runtime is None:
+            return
+        self.warming.add(model.key)
+        task = asyncio.get_running_loop().create_task(self.warm_up(model, runs))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def warm_up(self, model: Model, runs: int) -> int:
+        """``runs`` short generations on a throwaway conversation seed ``model``'s profile; returns those that
+        ran (one is skipped while a request of the model is in flight)."""
+        done = 0
+        try:
+            for index in range(runs):
+                runtime = model.runtime
+                if runtime is None or self.daemon.closing:
+                    break
+                request = await self.daemon.engine.call(runtime.warm_up, warmup_prompt(index), WARMUP_TOKENS,
+                                                        GREEDY, queue=("warmup", model.key))
+                if request is None:
+                    continue
+                self.tuner(model).seed(RequestSample(
+                    input_tokens=request.prompt_tokens, output_tokens=request.generation.generated_tokens,
+                    prompt_evaluated=request.generation.prompt_evaluated or 0,
+                    ttft_s=request.generation.ttft_s or 0.0,
+                    decode_s=max(0.0, request.generation.elapsed_s - (request.generation.ttft_s or 0.0)),
+                    kv_cells_used=request.need, kv_cells_peak=request.demand,
+                    live_sequences=request.live_sequences, threads=request.threads, queue_length=0))
+                done += 1
+            if done:
+                self.schedule(model)
+        finally:
+            self.warming.discard(model.key)
+        log.info("model %s: %d warm-up runs seeded its profile", model.key, done)
+        return done

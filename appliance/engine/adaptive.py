@@ -1,0 +1,185 @@
+"""The adaptive engine's decisions for one model (SPEC E1-E4, E8). Pure: no IO, no llama.cpp.
+
+A :class:`Tuner` holds a model's :class:`~appliance.engine.profile.LoadProfile` and the :class:`Tuning` its live
+context runs with. The daemon feeds it every finished request (:meth:`Tuner.observe`) and the CPU reading it takes
+about once a second (:class:`CpuShare`), asks it what the context should be (:meth:`Tuner.decide`), applies the
+answer on the engine thread and tells it what was applied (:meth:`Tuner.applied`). The policies themselves are the
+functions of :mod:`appliance.engine.tuning`:
+
+* **hot pool** (E2): P90 of the requests' KV need (the cells the context had to hold for the request to run: its
+  conversation, prompt and ``max_tokens``, plus the other requests in flight) x ``hot_pool_slack``, in steps of
+  :data:`POOL_GRANULARITY` cells, never below what the live conversations hold, at most the model's ``n_ctx``;
+* **plan** (E3): S, M or L by P90 input tokens and ``plan_boundaries``;
+* **threads** (E4): by the share of the CPU this process can get (idle time plus its own), bands
+  ``thread_idle_thresholds``, capped by the usable cores and by the cores that share stands for.
+
+Until the window holds :data:`MIN_SAMPLES` samples the pool and plan stay as they are (a model starts with
+:data:`INITIAL_POOL` cells and plan S, or what its warm-up runs showed). ``adaptive: false`` is the fixed strategy:
+the configured ``n_ctx`` as one pool, the fixed plan, the fixed thread count; :meth:`Tuner.decide` then returns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from appliance.engine import tuning
+from appliance.engine.profile import LoadProfile, RequestSample
+
+POOL_GRANULARITY = 256
+"""llama.cpp pads a context's cells to 256."""
+INITIAL_POOL = 512
+"""Hot pool cells of an adaptive model before its profile says anything."""
+MIN_SAMPLES = 4
+"""Samples in the window before the pool or the plan follows it."""
+FIXED = "fixed"
+
+PRESETS: dict[str, dict[str, int]] = {
+    "high": {"adaptive_window_size": 128, "adaptive_sample_rate": 2},
+    "mid": {"adaptive_window_size": 64, "adaptive_sample_rate": 4},
+    "low": {"adaptive_window_size": 32, "adaptive_sample_rate": 8},
+}
+"""Device-class presets for the profile's window and sample rate (SPEC E8), used by the tuning advice."""
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What a live context runs with: its hot pool's cells, its plan ("S", "M", "L" or "fixed") and threads."""
+
+    pool_cells: int
+    plan: str
+    threads: int
+
+    def __post_init__(self) -> None:
+        if self.pool_cells < 1:
+            raise ValueError(f"pool_cells must be at least 1, got {self.pool_cells}")
+        if self.plan not in (*tuning.PLANS, FIXED):
+            raise ValueError(f"plan must be one of S, M, L, fixed, got {self.plan!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """One CPU reading over an interval: the percent of all CPU time that was idle or this process's own (what
+    the engine can get), and the cores that percent stands for (``percent`` x ``cores`` / 100)."""
+
+    percent: float
+    cores: int
+
+    @property
+    def spare_cores(self) -> int:
+        """The whole cores the share stands for, at least 1."""
+        return max(1, round(self.percent * self.cores / 100.0))
+
+
+def cpu_share(before: tuple[int, ...], after: tuple[int, ...], own_ticks: int, cores: int) -> CpuShare:
+    """The :class:`CpuShare` between two ``/proc/stat`` readings (:func:`~appliance.engine.tuning.parse_proc_stat`)
+    when this process used ``own_ticks`` clock ticks (user + system, ``/proc/self/stat``) in between."""
+    if own_ticks < 0:
+        raise ValueError(f"own_ticks must be at least 0, got {own_ticks}")
+    if cores < 1:
+        raise ValueError(f"cores must be at least 1, got {cores}")
+    idle = tuning.cpu_idle_percent(before, after)
+    total = sum(after) - sum(before)
+    own = 100.0 * own_ticks / total
+    return CpuShare(min(100.0, idle + own), cores)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``engine.*`` settings a tuner reads."""
+
+    adaptive: bool
+    window_size: int
+    sample_rate: int
+    hot_pool_slack: float
+    plan_boundaries: tuple[int, int]
+    thread_idle_thresholds: tuple[int, int]
+    fixed_threads: int  # engine.threads, or the engine's default when 0
+    pinned_threads: bool  # engine.threads > 0: the thread count never changes
+
+
+class Tuner:
+    """A model's load profile and the tuning of its live context (module docstring). ``n_ctx`` is the model's
+    configured context length: the largest pool and the fixed strategy's."""
+
+    def __init__(self, settings: Settings, n_ctx: int, usable_cores: int) -> None:
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be at least 1, got {n_ctx}")
+        self.settings = settings
+        self.n_ctx = n_ctx
+        self.usable_cores = usable_cores
+        self.profile = LoadProfile(settings.window_size, settings.sample_rate)
+        self.current = self.initial()
+
+    def initial(self) -> Tuning:
+        """The tuning a model starts with (nothing profiled yet)."""
+        if not self.settings.adaptive:
+            return Tuning(self.n_ctx, FIXED, self.settings.fixed_threads)
+        return Tuning(min(INITIAL_POOL, self.n_ctx), tuning.PLANS[0], self.start_threads())
+
+    def start_threads(self) -> int:
+        if self.settings.pinned_threads:
+            return self.settings.fixed_threads
+        return min(max(tuning.THREADS_BY_BAND), self.usable_cores)
+
+    def reconfigure(self, settings: Settings, n_ctx: int) -> None:
+        """New settings (a reload): the profile is kept unless its window or sample rate changed."""
+        if (settings.window_size, settings.sample_rate) != (self.settings.window_size, self.settings.sample_rate):
+            old = self.profile.window
+            self.profile = LoadProfile(settings.window_size, settings.sample_rate)
+            for sample in old[-settings.window_size:]:
+                self.profile.seed(sample)
+        switched = settings.adaptive != self.settings.adaptive
+        self.settings = settings
+        self.n_ctx = n_ctx
+        if switched or not settings.adaptive:
+            self.current = self.initial()
+        elif self.current.pool_cells > n_ctx:
+            self.current = replace(self.current, pool_cells=n_ctx)
+
+    def observe(self, sample: RequestSample) -> bool:
+        """Count a finished request; True when it was sampled (the pool and plan may change)."""
+        return self.profile.observe(sample)
+
+    def seed(self, sample: RequestSample) -> None:
+        """A warm-up run's sample: always kept (SPEC E5)."""
+        self.profile.seed(sample)
+
+    def decide(self, live_cells: int, cpu: CpuShare | None = None) -> Tuning:
+        """The tuning the context should have now, with ``live_cells`` held by its live conversations and the
+        latest CPU reading (None: threads stay)."""
+        settings = self.settings
+        current = self.current
+        if not settings.adaptive:
+            return Tuning(self.n_ctx, FIXED, settings.fixed_threads)
+        pool = current.pool_cells
+        plan = current.plan if current.plan != FIXED else tuning.PLANS[0]
+        if len(self.profile) >= MIN_SAMPLES:
+            need = self.profile.percentiles("kv_cells_peak").p90
+            wanted = tuning.hot_pool_cells(int(need or 0), settings.hot_pool_slack, min(live_cells, self.n_ctx),
+                                           granularity=POOL_GRANULARITY, minimum=POOL_GRANULARITY,
+                                           maximum=max(self.n_ctx, POOL_GRANULARITY))
+            pool = min(tuning.resize_pool(pool, wanted), self.n_ctx)
+            plan = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries, plan)
+        pool = max(pool, min(live_cells, self.n_ctx))
+        threads = current.threads
+        if settings.pinned_threads:
+            threads = settings.fixed_threads
+        elif cpu is not None:
+            threads = choose_threads(cpu, settings.thread_idle_thresholds, self.usable_cores, threads)
+        return Tuning(pool, plan, threads)
+
+    def applied(self, tuning_now: Tuning) -> None:
+        """The context now runs with ``tuning_now``."""
+        self.current = tuning_now
+
+
+def choose_threads(cpu: CpuShare, thresholds: tuple[int, int], usable_cores: int, current: int | None) -> int:
+    """:func:`~appliance.engine.tuning.choose_threads` on the CPU share, also capped by its spare cores: threads
+    beyond the cores nobody else uses spin against the other process (measured, 12x768 model, 2 cores: a 64-token
+    decode with 2 threads took 0.44 s idle, 1.9 s beside one busy loop and up to 11.9 s beside two; with 1 thread
+    0.56 s and 0.9-1.0 s)."""
+    cap = min(usable_cores, cpu.spare_cores)
+    chosen = tuning.choose_threads(cpu.percent, thresholds, cap, current)
+    return min(chosen, cap)

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -72,7 +71,7 @@ import yaml
 from appliance.client.lines import request as line_request
 from appliance.config.schema import SETTINGS
 from appliance.engine.gguf_meta import kv_bytes, read_model_shape
-from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import add_output_args, chunk_text, completion_chunks, fill_defaults, finish, machine, tiny_model
 from benchmarks.concurrency import NOISY_SHARE, PROMPT_WORDS, BoxLoad, percentile
 from benchmarks.protocol.servers import Process, appliance_config, free_port
 from benchmarks.protocol.workload import MODEL_NAME
@@ -364,30 +363,17 @@ def stream_turn(http: httpx.Client, prompt: str, result: TurnResult) -> None:
     parts: list[str] = []
     try:
         result.sent = time.perf_counter()
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise RuntimeError(f"HTTP {response.status_code}: {' '.join(response.text.split())[:300]}")
-            for line in response.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"error event: {chunk['error']}")
-                if chunk.get("usage"):
-                    result.usage = chunk["usage"]
-                choices = chunk.get("choices") or []
-                text = (choices[0].get("text") or "") if choices else ""
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if result.first_token is None:
-                    result.first_token = now
-                result.last_token = now
-                parts.append(text)
+        for chunk in completion_chunks(http, body):
+            if chunk.get("usage"):
+                result.usage = chunk["usage"]
+            text = chunk_text(chunk)
+            if not text:
+                continue
+            now = time.perf_counter()
+            if result.first_token is None:
+                result.first_token = now
+            result.last_token = now
+            parts.append(text)
     except Exception as exc:  # recorded per turn; the run reports it and exits 1
         result.error = f"{type(exc).__name__}: {exc}"
     result.text = "".join(parts)

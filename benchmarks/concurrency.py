@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -53,7 +52,7 @@ import yaml
 
 from appliance.config.schema import SETTINGS
 from benchmarks import peer
-from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import add_output_args, chunk_text, completion_chunks, fill_defaults, finish, machine, tiny_model
 from benchmarks.protocol.servers import Process, appliance_config, free_port
 from benchmarks.protocol.workload import MODEL_NAME
 
@@ -227,31 +226,18 @@ def stream_completion(base_url: str, body: dict[str, Any], result: Stream, start
             if start is not None:
                 start.wait()
             result.sent = time.perf_counter()
-            with http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise RuntimeError(f"HTTP {response.status_code}: {' '.join(response.text.split())[:300]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise RuntimeError(f"error event: {chunk['error']}")
-                    if chunk.get("usage"):
-                        usage_tokens = int(chunk["usage"]["completion_tokens"])
-                    choices = chunk.get("choices") or []
-                    text = choices[0].get("text") or "" if choices else ""
-                    if not text:
-                        continue
-                    now = time.perf_counter()
-                    if result.first_token is None:
-                        result.first_token = now
-                    result.last_token = now
-                    parts.append(text)
-                    chunk_tokens += 1
+            for chunk in completion_chunks(http, body):
+                if chunk.get("usage"):
+                    usage_tokens = int(chunk["usage"]["completion_tokens"])
+                text = chunk_text(chunk)
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if result.first_token is None:
+                    result.first_token = now
+                result.last_token = now
+                parts.append(text)
+                chunk_tokens += 1
     except Exception as exc:  # recorded per agent; the run reports it and exits 1
         result.error = f"{type(exc).__name__}: {exc}"
     result.text = "".join(parts)

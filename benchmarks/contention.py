@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -45,7 +44,16 @@ from typing import Any
 import httpx
 
 from benchmarks.agent_session import Strategy, appliance_server, choices_of, health
-from benchmarks.common import add_output_args, default_threads, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import (
+    add_output_args,
+    chunk_text,
+    completion_chunks,
+    default_threads,
+    fill_defaults,
+    finish,
+    machine,
+    tiny_model,
+)
 from benchmarks.concurrency import NOISY_SHARE, BoxLoad, agent_prompts
 from benchmarks.protocol.workload import MODEL_NAME
 
@@ -115,27 +123,14 @@ def decode(base_url: str, prompt: str, max_tokens: int) -> Decode:
     try:
         with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as http:
             sent = time.perf_counter()
-            with http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise RuntimeError(f"HTTP {response.status_code}: {' '.join(response.text.split())[:300]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise RuntimeError(f"error event: {chunk['error']}")
-                    if chunk.get("usage"):
-                        result.usage = chunk["usage"]
-                    choices = chunk.get("choices") or []
-                    text = (choices[0].get("text") or "") if choices else ""
-                    if text:
-                        last = time.perf_counter()
-                        first = last if first is None else first
-                        parts.append(text)
+            for chunk in completion_chunks(http, body):
+                if chunk.get("usage"):
+                    result.usage = chunk["usage"]
+                text = chunk_text(chunk)
+                if text:
+                    last = time.perf_counter()
+                    first = last if first is None else first
+                    parts.append(text)
     except Exception as exc:  # recorded; the run reports it and exits 1
         result.error = f"{type(exc).__name__}: {exc}"
     result.text = "".join(parts)

@@ -188,9 +188,9 @@ class AdaptiveLoop:
             if model.runtime is not None and model.tuner is not None and model.tuner.settings.adaptive:
                 self.schedule(model, threads_only=True)
 
-    async def run_ticks(self, stop: asyncio.Event | None = None) -> None:
-        """:meth:`tick` every :data:`CPU_INTERVAL_S` until cancelled (or ``stop`` is set)."""
-        while stop is None or not stop.is_set():
+    async def run_ticks(self) -> None:
+        """:meth:`tick` every :data:`CPU_INTERVAL_S` until cancelled."""
+        while True:
             try:
                 self.tick()
             except Exception:

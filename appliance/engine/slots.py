@@ -254,11 +254,6 @@ class Slots:
         pool's parked conversations, and they from what it parks)."""
         self._parked = other._parked
 
-    def adopt(self, conv: Conversation) -> None:
-        """``conv`` was parked elsewhere (a cold context): its prefix may be borrowed from here too."""
-        if conv not in self._parked:
-            self._parked.append(conv)
-
     def _free_seq(self) -> int | None:
         for seq_id in range(self.context.n_seq_max):
             if seq_id not in self.holders:
@@ -613,7 +608,7 @@ class SlotRuntime(RequestRunner):
             return []
         if self.busy:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
-        parked = self._drop_cold()
+        parked = self.close_cold()
         parked += self.slots.park_all()
         self._drop_next()
         self._free(self.context)
@@ -682,16 +677,12 @@ class SlotRuntime(RequestRunner):
                 raise ApplianceError("INTERNAL", "the cold context is in use")
             if self.cold.context.n_ctx >= cells:
                 return
-            self._drop_cold()
+            self.close_cold()
         context = self._new_context(cells, 1, "L", self.tuning.threads)
         self.cold = Slots(context, self.slots.vocabulary, n_ctx=self.n_ctx)
         self.cold.share_parked(self.slots)
 
     def close_cold(self) -> list[Conversation]:
-        """Free the cold context if it is idle (see :meth:`_drop_cold`)."""
-        return self._drop_cold()
-
-    def _drop_cold(self) -> list[Conversation]:
         """Free an idle cold context; its conversation goes back into the hot pool when it fits without parking
         anyone, else stays parked. Returns the conversations left parked."""
         if self.cold is None or self.cold.busy:
@@ -704,8 +695,7 @@ class SlotRuntime(RequestRunner):
             if self.context is not None and self.slots.can_take(max(conv.n_evaluated, 1)):
                 self.slots.restore(conv)
             else:
-                self.slots.adopt(conv)
-                left.append(conv)
+                left.append(conv)  # still in the parked list it shares with the hot pool (share_parked)
         return left
 
     # -- requests --------------------------------------------------------------------------------------
@@ -749,7 +739,7 @@ class SlotRuntime(RequestRunner):
         if self.cold is not None and self.cold.busy:
             ended += self.cold.step(hold)
             if not self.cold.busy:
-                self._drop_cold()
+                self.close_cold()
         return ended
 
     def detach(self, conv: Conversation) -> None:

@@ -16,9 +16,10 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from appliance import __version__
+from appliance.benchmark.jobs import BenchmarkJob
 from appliance.config.validate import Config, load_config
 from appliance.daemon import policy, registry
 from appliance.daemon.core import Daemon
@@ -29,6 +30,7 @@ from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
 from appliance.supervisor.notify import Notifier, watchdog_period_s
 from appliance.supervisor.plan import ReloadPlan
+from appliance.supervisor.record import Trigger
 from appliance.supervisor.reloader import ApplyFailed, Reloader
 
 log = logging.getLogger(__name__)
@@ -203,6 +205,7 @@ class Appliance:
         self.session_secret = secrets.token_bytes(32)  # keys the admin login's session cookie
         self.notifier = notifier or Notifier()
         self.reloader: Reloader | None = None
+        self.benchmark_job = BenchmarkJob()  # the admin page's benchmark run, one at a time
         self._device = device
         self._engine_factory = engine_factory
         self._http_enabled = http
@@ -310,6 +313,7 @@ class Appliance:
         if self.config_path is not None:
             self.reloader = Reloader(self.config_path, self, self.notifier, loader=self._load)
             self._tasks.append(asyncio.create_task(self.reloader.run(), name="reloader"))
+            self.daemon.on_reload = self._reload_from_socket
         self.write_registry()
         log.info("appliance %s started (pid %d): socket %s, http %s, device %s, state %s, config %s", self.version,
                  os.getpid(), config.socket.path, self.http_url, self.daemon.reading.name, config.data_dir,
@@ -560,6 +564,13 @@ class Appliance:
     def _on_stop_signal(self, sig: signal.Signals) -> None:
         self.request_stop(f"signal {sig.name}")
 
+    async def _reload_from_socket(self, trigger: str) -> dict[str, Any]:
+        """RELOAD on the socket: a reload now, recorded with ``trigger`` (the line protocol allows only a
+        :data:`~appliance.supervisor.record.Trigger`); its record."""
+        assert self.reloader is not None
+        record = await self.reloader.reload(cast(Trigger, trigger))
+        return record.to_dict()
+
     def _on_reload_signal(self) -> None:
         if self.reloader is None:
             log.warning("received SIGHUP: no config file to re-read (this appliance runs a config given in code)")
@@ -610,6 +621,7 @@ class Appliance:
         self._stopped = True
         log.info("appliance stopping (%s)", self.stop_reason)
         self.notifier.stopping(f"stopping: {self.stop_reason}")
+        await self.benchmark_job.stop()
         if self.reloader is not None:
             self.reloader.stop.set()
         if self.daemon is not None:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -264,6 +265,94 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_benchmark(args: argparse.Namespace) -> int:
+    """Measure (or read a saved result), save, print, and with --apply write the advice and reload."""
+    from appliance.benchmark import progress, report, runner
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the session
+    signal.signal(signal.SIGTERM, interrupted)  # stopped (the admin page's run): its appliances stop, folders go
+    path = config_path(args)
+    if args.result is not None:
+        try:
+            result = json.loads(Path(args.result).read_text())
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot read the result {args.result}: {exc}", EXIT_CONFIG_INVALID) from None
+        if not isinstance(result, dict) or result.get("benchmark") != runner.NAME:
+            raise CliError(f"{args.result} is not a result of appliance benchmark", EXIT_CONFIG_INVALID)
+    else:
+        shown = {"bar": progress.BarProgress, "lines": progress.LineProgress, "none": progress.NoProgress}
+        mode = args.progress or ("bar" if sys.stderr.isatty() else "lines")
+        bar = shown[mode]()
+        options = runner.Options(path, model=args.model, agents=args.agents, rounds=args.rounds, quick=args.quick,
+                                 seed=args.seed)
+        try:
+            result = runner.run(options, bar)
+            out = args.out or runner.results_folder(path) / runner.result_name(result["finished_at"])
+        except runner.BenchmarkError as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+        finally:
+            bar.close()
+        runner.save(result, Path(out))
+        print(f"saved {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(report.text(result))
+    if args.apply:
+        apply_advice(args, path, result)
+    return 0 if result["complete"] else EXIT_FAILED
+
+
+def interrupted(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the ``finally`` blocks run (exit 130)."""
+    raise KeyboardInterrupt
+
+
+def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any]) -> None:
+    """Write the result's advice into the config (a diff shown first, confirmed unless --yes), then ask a running
+    appliance on that config to reload it (recorded as coming from the benchmark)."""
+    from appliance.benchmark import apply
+
+    try:
+        changes = apply.pending_changes(path, result["advice"])
+    except (apply.AdviceRejected, ValueError) as exc:
+        raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
+    if not changes:
+        print(f"nothing to apply: {path} already has every advised value", file=sys.stderr)
+        return
+    old = path.read_text()
+    try:
+        new = apply.advised_text(old, changes, source=path)
+    except apply.AdviceRejected as exc:
+        raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
+    print(apply.unified_diff(old, new, path), file=sys.stderr)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError("--apply asks before writing: give --yes when stdin is not a terminal", EXIT_FAILED)
+        answer = input(f"write these changes to {path}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not applied", file=sys.stderr)
+            return
+    apply.apply_changes(path, changes)
+    print(f"applied {', '.join(sorted(changes))} to {path}", file=sys.stderr)
+    try:
+        target = reachable_socket(args)
+    except CliError:
+        print("no appliance answers on this config's socket: the advice applies at its next start", file=sys.stderr)
+        return
+    from appliance.protocol.lines import parse_reply
+
+    reply = parse_reply(lineclient.request(target.socket, "RELOAD benchmark", 120))
+    if reply.error is not None:
+        raise CliError(f"the running appliance ({target.socket}) did not reload: {reply.error.code}: "
+                       f"{reply.error.message}", EXIT_FAILED)
+    record = " ".join(f"{key}={reply.fields[key]}" for key in ("result", "trigger", "diff", "applied", "error"))
+    print(f"the running appliance ({target.socket}) reloaded: {record}", file=sys.stderr)
+    if reply.fields["result"] not in ("applied", "unchanged"):
+        raise CliError(f"the reload was {reply.fields['result']}: the file is written, the appliance runs its "
+                       f"previous config", EXIT_FAILED)
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """One-line verdict on the HTTP health endpoint and the socket; non-zero when either fails."""
     import urllib.request
@@ -450,6 +539,17 @@ def table_command(line: str, lists: tuple[str, ...]) -> Callable[[argparse.Names
     return run
 
 
+BENCHMARK_EPILOG = """\
+what it runs, each in an appliance process of its own (its own state folder, socket and port; a running
+appliance on the same config is not touched):
+  1. the agent session (agents x rounds, inputs 50-600 tokens, 16- or 128-token answers) with the fixed strategy
+     (engine.adaptive false, llama-cpp-python's default threads) and with the adaptive engine;
+  2. a hot_pool_slack sweep (the same session, shorter, each request profiled);
+  3. greedy decode speed at each thread count.
+It prints the table (TTFT avg / P99, tokens/s, peak memory, memory growth), the device class and the advice, one
+reason per line, and saves the result as JSON (the admin page's Benchmarks tab lists it)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliance", description="A local-LLM appliance for edge boxes.",
                                      epilog=exit_code_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -528,6 +628,25 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--temperature", type=temperature, default=0.0, help="0 (greedy) to 2")
     infer.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
     infer.add_argument("--timeout", type=seconds, default=300.0)
+    bench = command("benchmark", cmd_benchmark, "measure this box with an agent session (fixed vs adaptive), then "
+                    "advise engine settings; --apply writes them into the config", epilog=BENCHMARK_EPILOG)
+    bench.add_argument("--config", help=f"config file whose models and settings are measured (default "
+                                        f"./{DEFAULT_CONFIG} or $APPLIANCE_CONFIG)")
+    bench.add_argument("--model", help="the model the session runs on (default: the config's first)")
+    bench.add_argument("--rounds", type=count, help="rounds of the session (default 20; --quick 3)")
+    bench.add_argument("--agents", type=count, help="agents at once (default 4; --quick 2)")
+    bench.add_argument("--quick", action="store_true", help="a short run: 2 agents x 3 rounds, 3 slack points, "
+                                                            "1 and 2 threads")
+    bench.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    bench.add_argument("--out", type=Path, metavar="FILE", help="save the result here (default "
+                       "<data_dir>/benchmarks/appliance-benchmark-<UTC time>.json)")
+    bench.add_argument("--progress", choices=("bar", "lines", "none"),
+                       help="a bar (default on a terminal), PROGRESS lines on stderr (default otherwise), or none")
+    bench.add_argument("--result", metavar="FILE", help="measure nothing: print (and --apply) a saved result")
+    bench.add_argument("--apply", action="store_true", help="write the advice into the config, keeping its "
+                                                            "comments; a running appliance reloads it")
+    bench.add_argument("--yes", action="store_true", help="with --apply: do not ask before writing")
     health = client(command("health", cmd_health, "check the HTTP health endpoint and the socket"))
     health.add_argument("--model", help="also require this model to be served")
     health.add_argument("--timeout", type=seconds, default=5.0)

@@ -53,53 +53,48 @@ import argparse
 import contextlib
 import os
 import random
-import shutil
 import statistics
-import sys
-import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from appliance.client.lines import request as line_request
-from appliance.config.schema import SETTINGS
+from appliance.benchmark.servers import appliance_process, free_port, state_folder
+from appliance.benchmark.session import (
+    DOCUMENT_PHASE_INPUT,
+    FIGURE_KEYS,
+    LONG_OUTPUT,
+    ROLLOVER_MARGIN,
+    Phase,
+    Served,
+    Strategy,
+    Workload,
+    adaptive_strategy,
+    figures,
+    fixed_strategy,
+    improvement,
+    phase_shift_workload,
+    run_session,
+    session_workload,
+)
 from appliance.engine.gguf_meta import kv_bytes, read_model_shape
-from benchmarks.common import add_output_args, chunk_text, completion_chunks, fill_defaults, finish, machine, tiny_model
-from benchmarks.concurrency import NOISY_SHARE, PROMPT_WORDS, BoxLoad, percentile
-from benchmarks.protocol.servers import Process, appliance_config, free_port
+from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
+from benchmarks.concurrency import NOISY_SHARE, BoxLoad
+from benchmarks.protocol.servers import appliance_config
 from benchmarks.protocol.workload import MODEL_NAME
 
 NAME = "agent_session"
-SHORT_OUTPUT = 16
-"""``max_tokens`` of a tool call."""
-LONG_OUTPUT = 128
-"""``max_tokens`` of a long answer."""
-SESSION_INPUT = (50, 600)
-TOOL_PHASE_INPUT = (50, 100)
-DOCUMENT_PHASE_INPUT = (400, 600)
-ROLLOVER_MARGIN = 16
-"""Tokens kept free when deciding whether a turn still fits its conversation (the input's token count is the
-number of its words; a margin covers a tokenizer that splits one)."""
 GRID_THREADS = (1, 2)
 GRID_N_CTX = (1024, 4096)
 TARGET_PEAK_MEMORY_LOWER = 0.30
 TARGET_TTFT_P99_LOWER = 0.20
 TARGET_OF_BEST_STATIC = 0.95
-REQUEST_TIMEOUT_S = 900.0
-WARMING_TIMEOUT_S = 600.0
-WARMUP_PROMPT = "Hello world, this is a warm up"
-WARMUP_TOKENS = 4
 TURN_KEYS = ("plan", "threads", "peak_memory_bytes")
 """The keys of a turn's usage extension (SPEC E6) kept in the adaptive choices: what each turn ran with."""
-CHOICE_KEYS = ("pool_cells", "plan", "threads", "cold_cells", "pool_bytes", "cold_bytes", "adaptive")
-"""The keys of a ``/v1/health`` ``contexts`` record kept per round: what the engine chose."""
 KNOBS = {
     "peak_memory": "the hot pool: engine.hot_pool_slack x the P90 KV need of the profiled requests (the need is set "
                    "by the conversations' length: a shorter rollover, a smaller pool); the weights and the Python "
@@ -112,113 +107,12 @@ KNOBS = {
 }
 
 
-# -- the workload --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Turn:
-    """What one agent sends in one round: ``text`` (the tool result or user turn, ``input_tokens`` words of one
-    token each) and the ``max_tokens`` it asks for."""
-
-    input_tokens: int
-    max_tokens: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Phase:
-    """Rounds ``first`` up to (not including) ``end`` of a workload."""
-
-    name: str
-    first: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Every turn, ``turns[round][agent]``, and the phases measured on their own."""
-
-    name: str
-    description: str
-    turns: list[list[Turn]]
-    phases: tuple[Phase, ...]
-
-
-def input_text(rng: random.Random, n_tokens: int) -> str:
-    """``n_tokens`` random words of the tiny vocabulary (one token each), as text appended to a conversation."""
-    return " " + " ".join(rng.choice(PROMPT_WORDS) for _ in range(n_tokens))
-
-
-def turn(rng: random.Random, inputs: tuple[int, int], max_tokens: int) -> Turn:
-    n_tokens = rng.randint(*inputs)
-    return Turn(n_tokens, max_tokens, input_text(rng, n_tokens))
-
-
-def session_workload(agents: int, rounds: int, seed: int) -> Workload:
-    """The plain session: inputs of 50-600 tokens, a tool call or a long answer with even odds."""
-    rng = random.Random(seed)
-    turns = [[turn(rng, SESSION_INPUT, rng.choice((SHORT_OUTPUT, LONG_OUTPUT))) for _ in range(agents)]
-             for _ in range(rounds)]
-    return Workload("session", f"{agents} agents x {rounds} rounds, inputs {SESSION_INPUT[0]}-{SESSION_INPUT[1]} "
-                    f"tokens, outputs {SHORT_OUTPUT} or {LONG_OUTPUT} tokens (even odds)", turns,
-                    (Phase("all", 0, rounds),))
-
-
-def phase_shift_workload(agents: int, rounds: int, seed: int) -> Workload:
-    """The first half of the rounds short tool calls, the second half long documents."""
-    rng = random.Random(seed + 1)
-    half = rounds // 2
-    turns = []
-    for index in range(rounds):
-        if index < half:
-            turns.append([turn(rng, TOOL_PHASE_INPUT, SHORT_OUTPUT) for _ in range(agents)])
-        else:
-            turns.append([turn(rng, DOCUMENT_PHASE_INPUT, LONG_OUTPUT) for _ in range(agents)])
-    return Workload("phase_shift", f"{agents} agents; rounds 1-{half}: tool calls (inputs {TOOL_PHASE_INPUT[0]}-"
-                    f"{TOOL_PHASE_INPUT[1]} tokens, {SHORT_OUTPUT} out); rounds {half + 1}-{rounds}: documents "
-                    f"(inputs {DOCUMENT_PHASE_INPUT[0]}-{DOCUMENT_PHASE_INPUT[1]}, {LONG_OUTPUT} out)", turns,
-                    (Phase("tool_calls", 0, half), Phase("documents", half, rounds)))
-
-
 # -- the strategies ------------------------------------------------------------------------------------------------
-
-
-def llama_cpp_default_threads() -> int:
-    """llama-cpp-python's default ``n_threads`` (``Llama()``): half the CPUs, at least 1."""
-    return max(1, (os.cpu_count() or 1) // 2)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How the appliance runs: its ``engine:`` keys and the model's ``n_ctx``."""
-
-    name: str
-    label: str
-    engine: dict[str, Any]
-    n_ctx: int
-
-
-def fixed_strategy(n_ctx: int) -> Strategy:
-    threads = llama_cpp_default_threads()
-    return Strategy("fixed", f"engine.adaptive false, threads {threads} (llama-cpp-python's default), batch 512, "
-                    f"n_ctx {n_ctx} preallocated", {"adaptive": False, "threads": threads}, n_ctx)
-
-
-def adaptive_strategy(n_ctx: int) -> Strategy:
-    return Strategy("adaptive", f"engine.adaptive true, engine defaults, model n_ctx {n_ctx}", {"adaptive": True},
-                    n_ctx)
 
 
 def static_strategy(threads: int, n_ctx: int) -> Strategy:
     return Strategy(f"static_t{threads}_c{n_ctx}", f"engine.adaptive false, threads {threads}, n_ctx {n_ctx}",
                     {"adaptive": False, "threads": threads}, n_ctx)
-
-
-def adaptive_setting_missing() -> str | None:
-    """Why the appliance cannot be configured with ``engine.adaptive`` yet, or None when it can."""
-    if any(setting.key == "engine.adaptive" for setting in SETTINGS):
-        return None
-    return "the appliance has no engine.adaptive setting yet (its strict config would refuse it)"
 
 
 def session_config(model: Path, state: Path, strategy: Strategy, http_port: int) -> str:
@@ -229,250 +123,17 @@ def session_config(model: Path, state: Path, strategy: Strategy, http_port: int)
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-@dataclass(frozen=True)
-class Served:
-    """An appliance under test: where it answers (HTTP, and its line-protocol socket) and its process id."""
-
-    base_url: str
-    socket: Path
-    pid: int
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-
-def proc_status_bytes(pid: int, key: str) -> int:
-    """A ``kB`` line of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``) in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no {key} line")
-
-
-def health(base_url: str) -> dict[str, Any]:
-    response = httpx.get(base_url + "/v1/health", timeout=10)
-    response.raise_for_status()
-    document: dict[str, Any] = response.json()
-    return document
-
-
-def warming(document: dict[str, Any]) -> bool:
-    engine = document.get("engine") or {}
-    return bool(engine.get("warming", False))
-
-
-def warm_up(served: Served) -> None:
-    """One untimed stateless request (the model loaded), then wait while the engine says ``warming``."""
-    body = {"model": MODEL_NAME, "prompt": WARMUP_PROMPT, "max_tokens": WARMUP_TOKENS, "temperature": 0.0}
-    response = httpx.post(served.base_url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
-    if response.status_code != 200:
-        raise RuntimeError(f"warm-up request failed: HTTP {response.status_code} {response.text[:300]}\n"
-                           f"server log:\n{served.tail()}")
-    deadline = time.monotonic() + WARMING_TIMEOUT_S
-    while warming(health(served.base_url)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the appliance still says warming after {WARMING_TIMEOUT_S:.0f} s")
-        time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def appliance_server(model: Path, strategy: Strategy) -> Iterator[Served]:
     """The appliance in its own process with the strategy's settings, answering and warmed up."""
-    state = Path(tempfile.mkdtemp(prefix="ap-sess-"))  # short: AF_UNIX paths are limited to 108 bytes
+    state = state_folder()
     port = free_port()
-    (state / "appliance.yaml").write_text(session_config(model, state, strategy, port))
-    proc = Process([sys.executable, "-m", "appliance", "--log-level", "warning", "run", "--config",
-                    str(state / "appliance.yaml")], state / "appliance.log")
-    base_url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        return httpx.get(base_url + "/v1/health", timeout=2).status_code == 200
-
-    try:
-        proc.wait_until(ready, f"the appliance ({strategy.label})")
-        served = Served(base_url, state / "a.sock", proc.proc.pid, proc.log)
-        warm_up(served)
+    with appliance_process(state, session_config(model, state, strategy, port), port, MODEL_NAME,
+                           f"the appliance ({strategy.label})") as served:
         yield served
-    finally:
-        proc.stop()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 # -- running a session ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TurnResult:
-    """One agent's turn as the client saw it (times from ``time.perf_counter``)."""
-
-    agent: int
-    round: int
-    user: str
-    input_tokens: int
-    max_tokens: int
-    sent: float = 0.0
-    first_token: float | None = None
-    last_token: float | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    usage: dict[str, Any] = field(default_factory=dict)
-    text: str = ""
-    error: str | None = None
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return None if self.first_token is None else (self.first_token - self.sent) * 1e3
-
-
-@dataclass
-class AgentState:
-    """An agent's current conversation: its number, the text it holds and its tokens."""
-
-    index: int
-    conversation: int = 0
-    history: str = ""
-    held_tokens: int = 0
-    rollovers: int = 0
-    abandoned: list[str] = field(default_factory=list)  # conversations left behind, not unregistered yet
-
-    @property
-    def user(self) -> str:
-        return f"agent{self.index}-conv{self.conversation}"
-
-    def prompt_for(self, step: Turn, n_ctx: int) -> str:
-        """The prompt of ``step``: the history and the new text; a new conversation when it would pass ``n_ctx``."""
-        if self.history and self.held_tokens + step.input_tokens + step.max_tokens + ROLLOVER_MARGIN > n_ctx:
-            self.abandoned.append(self.user)
-            self.conversation += 1
-            self.history = ""
-            self.held_tokens = 0
-            self.rollovers += 1
-        return self.history + step.text
-
-    def answered(self, prompt: str, result: TurnResult) -> None:
-        self.history = prompt + result.text
-        self.held_tokens = result.prompt_tokens + result.completion_tokens
-
-
-def stream_turn(http: httpx.Client, prompt: str, result: TurnResult) -> None:
-    """Stream one turn into ``result``: first and last text, the text, the usage chunk's counts."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": result.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "user": result.user}
-    parts: list[str] = []
-    try:
-        result.sent = time.perf_counter()
-        for chunk in completion_chunks(http, body):
-            if chunk.get("usage"):
-                result.usage = chunk["usage"]
-            text = chunk_text(chunk)
-            if not text:
-                continue
-            now = time.perf_counter()
-            if result.first_token is None:
-                result.first_token = now
-            result.last_token = now
-            parts.append(text)
-    except Exception as exc:  # recorded per turn; the run reports it and exits 1
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.text = "".join(parts)
-    if result.error is None and not result.usage:
-        result.error = "the stream ended without a usage chunk"
-    if result.usage:
-        result.completion_tokens = int(result.usage.get("completion_tokens", 0))
-        result.prompt_tokens = int(result.usage.get("prompt_tokens", 0))
-        details = result.usage.get("prompt_tokens_details") or {}
-        result.cached_tokens = int(details.get("cached_tokens", 0))
-
-
-@dataclass
-class RoundSample:
-    """One round: its wall time, then the server's memory and what its engine chose."""
-
-    round: int
-    wall_s: float
-    rss_bytes: int
-    hwm_bytes: int
-    contexts: list[dict[str, Any]]
-    engine: dict[str, Any]
-    agents_registered: int
-
-
-def unregister(served: Served, user: str) -> None:
-    """Unregister a conversation its agent left (line protocol ``UNREGISTER``): done after the round in which the
-    agent's new conversation registered, so the model always keeps an agent."""
-    reply = line_request(served.socket, f"UNREGISTER {user}", timeout=60)
-    if not reply.startswith("OK"):
-        raise RuntimeError(f"UNREGISTER {user} failed: {reply.strip()}")
-
-
-def choices_of(document: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{key: record.get(key) for key in ("model", *CHOICE_KEYS) if key in record}
-            for record in document.get("contexts", [])]
-
-
-def run_session(served: Served, workload: Workload, n_ctx: int) -> tuple[list[TurnResult], list[RoundSample],
-                                                                         list[AgentState]]:
-    """The workload's rounds against ``served``: every agent's turn at once (one keep-alive connection per agent),
-    then the round's sample."""
-    n_agents = len(workload.turns[0])
-    agents = [AgentState(index) for index in range(n_agents)]
-    results: list[TurnResult] = []
-    samples: list[RoundSample] = []
-    clients = [httpx.Client(base_url=served.base_url, timeout=REQUEST_TIMEOUT_S) for _ in agents]
-    try:
-        for round_index, steps in enumerate(workload.turns):
-            prompts = [agent.prompt_for(step, n_ctx) for agent, step in zip(agents, steps, strict=True)]
-            turn_results = [TurnResult(agent.index, round_index, agent.user, step.input_tokens, step.max_tokens)
-                            for agent, step in zip(agents, steps, strict=True)]
-            threads = [threading.Thread(target=stream_turn, args=(client, prompt, result), daemon=True)
-                       for client, prompt, result in zip(clients, prompts, turn_results, strict=True)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(REQUEST_TIMEOUT_S + 30)
-            for agent, prompt, result in zip(agents, prompts, turn_results, strict=True):
-                agent.answered(prompt, result)
-                for user in agent.abandoned:
-                    unregister(served, user)
-                agent.abandoned.clear()
-            results.extend(turn_results)
-            ends = [r.last_token or r.sent for r in turn_results]
-            wall = max(ends) - min(r.sent for r in turn_results)
-            document = health(served.base_url)
-            samples.append(RoundSample(round_index, wall, proc_status_bytes(served.pid, "VmRSS"),
-                                       proc_status_bytes(served.pid, "VmHWM"), choices_of(document),
-                                       document.get("engine") or {}, int(document.get("agents", 0))))
-            if any(r.error is not None for r in turn_results):
-                break  # the conversations no longer follow the workload: figures would not compare
-    finally:
-        for client in clients:
-            client.close()
-    return results, samples, agents
-
-
-def figures(results: Sequence[TurnResult], samples: Sequence[RoundSample], first: int, end: int) -> dict[str, Any]:
-    """TTFT average and P99 (ms), tokens/s, peak memory and memory growth over rounds ``first`` to ``end``."""
-    turns = [r for r in results if first <= r.round < end]
-    rounds = [s for s in samples if first <= s.round < end]
-    ttft = [r.ttft_ms for r in turns if r.ttft_ms is not None]
-    wall = sum(s.wall_s for s in rounds)
-    generated = sum(r.completion_tokens for r in turns)
-    complete = bool(turns) and len(rounds) == end - first and all(r.error is None for r in turns)
-    return {
-        "turns": len(turns), "complete": complete, "generated_tokens": generated,
-        "prompt_tokens": sum(r.prompt_tokens for r in turns), "cached_tokens": sum(r.cached_tokens for r in turns),
-        "wall_s": wall,
-        "ttft_avg_ms": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_ms": percentile(ttft, 50) if ttft else None,
-        "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
-        "tokens_per_s": generated / wall if wall > 0 else None,
-        "peak_memory_bytes": rounds[-1].hwm_bytes if rounds else None,
-        "memory_growth_bytes": rounds[-1].rss_bytes - rounds[0].rss_bytes if rounds else None,
-        "rss_after_first_round_bytes": rounds[0].rss_bytes if rounds else None,
-        "rss_end_bytes": rounds[-1].rss_bytes if rounds else None,
-    }
 
 
 def measure(model: Path, strategy: Strategy, workload: Workload, repeat: int) -> dict[str, Any]:
@@ -504,13 +165,6 @@ def measure(model: Path, strategy: Strategy, workload: Workload, repeat: int) ->
 # -- the report ----------------------------------------------------------------------------------------------------
 
 
-FIGURE_KEYS = ("ttft_avg_ms", "ttft_p99_ms", "tokens_per_s", "peak_memory_bytes", "memory_growth_bytes")
-LOWER_IS_BETTER = {"ttft_avg_ms": True, "ttft_p99_ms": True, "tokens_per_s": False, "peak_memory_bytes": True,
-                   "memory_growth_bytes": True}
-GROWTH_FLOOR_BYTES = 2**20
-"""Below this memory growth of the fixed run, a relative improvement means nothing: none is given."""
-
-
 def median_figures(runs: Sequence[dict[str, Any]], phase: str | None) -> dict[str, float | None]:
     """Each figure's median over the repetitions (of one phase, or of the whole run)."""
     out: dict[str, float | None] = {}
@@ -519,18 +173,6 @@ def median_figures(runs: Sequence[dict[str, Any]], phase: str | None) -> dict[st
         present = [v for v in values if v is not None]
         out[key] = statistics.median(present) if present and len(present) == len(values) else None
     return out
-
-
-def improvement(key: str, fixed: float | None, adaptive: float | None) -> float | None:
-    """How much better adaptive is than fixed (a fraction; positive = better): lower for times and memory, higher
-    for tokens/s."""
-    if fixed is None or adaptive is None or fixed == 0:
-        return None
-    if key == "memory_growth_bytes" and abs(fixed) < GROWTH_FLOOR_BYTES:
-        return None
-    if LOWER_IS_BETTER[key]:
-        return (fixed - adaptive) / abs(fixed)
-    return (adaptive - fixed) / fixed
 
 
 def compare(runs: Sequence[dict[str, Any]], workload: str) -> dict[str, Any]:
@@ -733,9 +375,6 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    why = adaptive_setting_missing()
-    if why is not None:
-        raise SystemExit(f"agent_session: {why}")
     model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim, n_ctx_train=args.n_ctx)
     workloads = [session_workload(args.agents, args.rounds, args.seed),
                  phase_shift_workload(args.agents, args.rounds, args.seed)]

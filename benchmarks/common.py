@@ -8,12 +8,11 @@ import json
 import os
 import platform
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import llama_cpp
 
 from appliance.engine.tinymodel import write_tiny_model
@@ -38,31 +37,6 @@ def tiny_model(model_dir: Path, *, layers: int, dim: int, heads: int | None = No
         write_tiny_model(path, layers=layers, dim=dim, heads=heads, kv_heads=kv_heads, ff=ff,
                          n_ctx_train=n_ctx_train, seed=seed, dtype=dtype)
     return path
-
-
-def completion_chunks(http: httpx.Client, body: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """POST a streamed ``/v1/completions`` and yield each SSE data chunk until ``[DONE]``; an answer other than 200
-    or an error event raises ``RuntimeError``."""
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"HTTP {response.status_code}: {' '.join(response.text.split())[:300]}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
-            yield chunk
-
-
-def chunk_text(chunk: Mapping[str, Any]) -> str:
-    """The text a completion chunk carries ("" for a usage-only chunk)."""
-    choices = chunk.get("choices") or []
-    return (choices[0].get("text") or "") if choices else ""
 
 
 @dataclass(frozen=True)

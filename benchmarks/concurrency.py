@@ -50,9 +50,10 @@ import llama_cpp
 import numpy as np
 import yaml
 
+from appliance.benchmark.session import PROMPT_WORDS, chunk_text, completion_chunks, percentile
 from appliance.config.schema import SETTINGS
 from benchmarks import peer
-from benchmarks.common import add_output_args, chunk_text, completion_chunks, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
 from benchmarks.protocol.servers import Process, appliance_config, free_port
 from benchmarks.protocol.workload import MODEL_NAME
 
@@ -68,13 +69,6 @@ WARMUP_TOKENS = 4
 WARMUP_REQUESTS = 2
 NOISY_SHARE = 0.05
 SETTLE_S = 0.2  # pause before each burst: the previous server's llama.cpp threads stop spinning
-_PROMPT_WORD_TEXT = """
-the of and to a in is it you that he was for on are with as they be at one have this from or had by hot word but
-what some we can out other were all there when up use your how said an each she which do their time if will way about
-many then them write would like so these her long make thing see him two has look more day could go come did number
-"""
-PROMPT_WORDS = tuple(_PROMPT_WORD_TEXT.split())
-"""Whole words of the tiny models' vocabulary: one token each (the prompts are checked with the tokenizer)."""
 PROMPT_CANDIDATES = 400
 NEAR_TIE = 0.005
 """A greedy step whose best two logits are closer than this is a near-tie: a batch of several sequences rounds a
@@ -267,15 +261,6 @@ def warm_up(base_url: str, kind: str) -> None:
         stream_completion(base_url, completion_body(kind, WARMUP_PROMPT, WARMUP_TOKENS, None), result, None)
         if result.error is not None:
             raise RuntimeError(f"warm-up request failed: {result.error}")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100), linear between the closest ranks."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def burst_figures(streams: Sequence[Stream]) -> tuple[float, float, list[float]] | None:

@@ -43,11 +43,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.agent_session import Strategy, appliance_server, choices_of, health
+from appliance.benchmark.session import Strategy, choices_of, chunk_text, completion_chunks, health
+from benchmarks.agent_session import appliance_server
 from benchmarks.common import (
     add_output_args,
-    chunk_text,
-    completion_chunks,
     default_threads,
     fill_defaults,
     finish,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appliance.benchmark import session
 from benchmarks import agent_session, contention
 
 
@@ -28,28 +29,28 @@ def headline_of(printed: str) -> str:
 
 
 def test_workloads_are_seeded_and_follow_the_seeds_shape() -> None:
-    session = agent_session.session_workload(4, 20, 0)
-    assert session == agent_session.session_workload(4, 20, 0)
-    assert session != agent_session.session_workload(4, 20, 1)
-    turns = [t for row in session.turns for t in row]
-    assert len(session.turns) == 20 and all(len(row) == 4 for row in session.turns)
+    plain = session.session_workload(4, 20, 0)
+    assert plain == session.session_workload(4, 20, 0)
+    assert plain != session.session_workload(4, 20, 1)
+    turns = [t for row in plain.turns for t in row]
+    assert len(plain.turns) == 20 and all(len(row) == 4 for row in plain.turns)
     assert all(50 <= t.input_tokens <= 600 and len(t.text.split()) == t.input_tokens for t in turns)
-    assert {t.max_tokens for t in turns} == {agent_session.SHORT_OUTPUT, agent_session.LONG_OUTPUT}
+    assert {t.max_tokens for t in turns} == {session.SHORT_OUTPUT, session.LONG_OUTPUT}
 
-    shift = agent_session.phase_shift_workload(4, 20, 0)
+    shift = session.phase_shift_workload(4, 20, 0)
     assert [p.name for p in shift.phases] == ["tool_calls", "documents"]
     tools = [t for row in shift.turns[:10] for t in row]
     documents = [t for row in shift.turns[10:] for t in row]
-    assert all(50 <= t.input_tokens <= 100 and t.max_tokens == agent_session.SHORT_OUTPUT for t in tools)
-    assert all(400 <= t.input_tokens <= 600 and t.max_tokens == agent_session.LONG_OUTPUT for t in documents)
+    assert all(50 <= t.input_tokens <= 100 and t.max_tokens == session.SHORT_OUTPUT for t in tools)
+    assert all(400 <= t.input_tokens <= 600 and t.max_tokens == session.LONG_OUTPUT for t in documents)
 
 
 def test_an_agent_starts_a_new_conversation_when_the_turn_would_pass_n_ctx() -> None:
-    agent = agent_session.AgentState(2)
-    step = agent_session.Turn(100, 16, " the" * 100)
+    agent = session.AgentState(2)
+    step = session.Turn(100, 16, " the" * 100)
     assert agent.prompt_for(step, 1024) == step.text and agent.user == "agent2-conv0"
-    result = agent_session.TurnResult(2, 0, agent.user, 100, 16, text=" and so", prompt_tokens=900,
-                                      completion_tokens=16)
+    result = session.TurnResult(2, 0, agent.user, 100, 16, text=" and so", prompt_tokens=900,
+                                completion_tokens=16)
     agent.answered(step.text, result)
     assert agent.history == step.text + " and so" and agent.held_tokens == 916
     assert agent.prompt_for(step, 4096) == step.text + " and so" + step.text  # fits: the history is re-sent
@@ -60,16 +61,16 @@ def test_an_agent_starts_a_new_conversation_when_the_turn_would_pass_n_ctx() -> 
 
 
 def test_improvement_is_positive_when_adaptive_is_better() -> None:
-    assert agent_session.improvement("ttft_p99_ms", 100.0, 70.0) == pytest.approx(0.3)
-    assert agent_session.improvement("peak_memory_bytes", 100.0, 130.0) == pytest.approx(-0.3)
-    assert agent_session.improvement("tokens_per_s", 100.0, 110.0) == pytest.approx(0.1)
-    assert agent_session.improvement("memory_growth_bytes", 1000.0, 0.0) is None  # under 1 MiB: meaningless
-    assert agent_session.improvement("tokens_per_s", None, 110.0) is None
+    assert session.improvement("ttft_p99_ms", 100.0, 70.0) == pytest.approx(0.3)
+    assert session.improvement("peak_memory_bytes", 100.0, 130.0) == pytest.approx(-0.3)
+    assert session.improvement("tokens_per_s", 100.0, 110.0) == pytest.approx(0.1)
+    assert session.improvement("memory_growth_bytes", 1000.0, 0.0) is None  # under 1 MiB: meaningless
+    assert session.improvement("tokens_per_s", None, 110.0) is None
 
 
 def test_the_fixed_strategy_is_llama_cpp_pythons_defaults_and_the_config_carries_it(tmp_path: Path) -> None:
     fixed = agent_session.fixed_strategy(4096)
-    assert fixed.engine == {"adaptive": False, "threads": agent_session.llama_cpp_default_threads()}
+    assert fixed.engine == {"adaptive": False, "threads": session.llama_cpp_default_threads()}
     doc = yaml.safe_load(agent_session.session_config(tmp_path / "m.gguf", tmp_path, fixed, 8123))
     assert doc["engine"] == fixed.engine and doc["models"][0]["n_ctx"] == 4096
     adaptive = yaml.safe_load(agent_session.session_config(tmp_path / "m.gguf", tmp_path,

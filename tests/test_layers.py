@@ -48,6 +48,10 @@ PURE = [
     "engine.schedule",
     "supervisor.plan",
     "supervisor.record",
+    "benchmark.advice",
+    "benchmark.report",
+    "benchmark.progress",
+    "http.admin.charts",
 ]
 
 

@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -326,6 +326,7 @@ class Daemon:
         self.closing = False
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
         self.reports: dict[str, Callable[[], Any]] = {}  # other parts' figures for STATUS
+        self.on_reload: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # RELOAD: the supervisor's reload
         self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
         self._context_lock = asyncio.Lock()  # one claim of a live context at a time (SPEC L8)

@@ -57,6 +57,7 @@ COMMANDS: dict[str, str] = {
     "UNREGISTER": "UNREGISTER <agent>                 free the agent's slot (and the model if unused)",
     "DECODE": "DECODE <agent> <n_tokens> [prompt]  generate; an empty prompt continues the conversation",
     "RESYNC": "RESYNC                             re-read the device and re-base the ledger cap",
+    "RELOAD": "RELOAD [benchmark]                 re-read appliance.yaml now (the record says who asked)",
 }
 
 
@@ -69,6 +70,7 @@ class Command:
     model: str | None = None
     n_tokens: int | None = None
     prompt: str = ""
+    trigger: str | None = None  # RELOAD: what the reload record names as its cause
 
 
 def _bad(message: str, **details: Any) -> ApplianceError:
@@ -85,6 +87,10 @@ def _agent(text: str) -> str:
 def is_count(text: str) -> bool:
     """ASCII digits only (``"²".isdigit()`` is true in Python), and few enough to convert cheaply."""
     return 0 < len(text) <= MAX_COUNT_DIGITS and text.isascii() and text.isdigit()
+
+
+RELOAD_TRIGGERS = ("benchmark",)
+"""What RELOAD may name as its cause besides the default ``api``: ``appliance benchmark --apply``."""
 
 
 def parse_line(line: str | bytes) -> Command:
@@ -110,6 +116,10 @@ def parse_line(line: str | bytes) -> Command:
         if rest:
             raise _bad(f"{name} takes no arguments")
         return Command(name)
+    if name == "RELOAD":
+        if rest and rest.lower() not in RELOAD_TRIGGERS:
+            raise _bad(f"usage: RELOAD [{'|'.join(RELOAD_TRIGGERS)}]", trigger=rest[:32])
+        return Command(name, trigger=rest.lower() or "api")
     if name == "UNREGISTER":
         if not rest or " " in rest:
             raise _bad("usage: UNREGISTER <agent>")

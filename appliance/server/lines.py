@@ -106,6 +106,14 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
                                               "external_bytes": daemon.external,
                                               "ledger_max_bytes": daemon.ledger.cap,
                                               "ledger_allocated_bytes": daemon.ledger.allocated}])
+    if name == "RELOAD":
+        if daemon.on_reload is None:
+            raise ApplianceError("FORBIDDEN", "this daemon runs without a config file to reload")
+        assert command.trigger is not None
+        record = await daemon.on_reload(command.trigger)
+        return lines.format_reply("RELOAD", [{"result": record["result"], "trigger": record["trigger"],
+                                              "diff": record["diff"] or "none", "applied": record["applied"] or "none",
+                                              "error": record["error"] or "none"}])
     assert command.agent is not None
     if name == "REGISTER":
         assert command.model is not None

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 KEEP = 50
 
-Trigger = Literal["start", "file", "SIGHUP", "api"]
+Trigger = Literal["start", "file", "SIGHUP", "api", "benchmark"]
+"""What asked for a reload: ``benchmark`` is ``appliance benchmark --apply`` or the admin page's Apply advice."""
 Result = Literal["applied", "unchanged", "invalid", "failed"]
 
 

@@ -4,72 +4,19 @@ completions endpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp
 import yaml
 
+from appliance.benchmark.servers import Process, free_port, stop_process
 from benchmarks.protocol.workload import MODEL_NAME, PROMPTS, http_request
 
+__all__ = ["Process", "free_port", "stop_process"]  # re-exported: the benchmarks start their servers with them
+
 REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a server process that still runs, then SIGKILL it if it has not exited after 15 s."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-class Process:
-    """A server subprocess with its output in a log file; stopped with SIGTERM (then SIGKILL)."""
-
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.log = log
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def tail(self, n: int = 2000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-n:]
-        return ""
-
-    def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(Exception):
-                if ready():
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"{what} did not become ready in {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        stop_process(self.proc)
 
 
 def appliance_config(model: Path, state: Path, *, n_ctx: int, threads: int, http_port: int) -> str:

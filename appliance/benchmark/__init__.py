@@ -1,0 +1,1 @@
+"""`appliance benchmark`: measure this box, advise the settings, apply them."""

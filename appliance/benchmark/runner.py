@@ -1,0 +1,372 @@
+"""One ``appliance benchmark`` run (SPEC B1, B2): the agent session on a configured model, fixed against adaptive,
+then the measurements the advice rests on (a ``hot_pool_slack`` sweep and the thread-count curve), then the advice.
+
+Every measurement runs ``appliance run`` in a process of its own (:mod:`appliance.benchmark.servers`) with a config
+the run writes: the operator's config with the chosen model only, its own state folder, socket and port, and the
+engine settings of the measurement on top of the operator's. So each peak memory is its own, and the appliance that
+may be running on the same config is not touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import yaml
+
+from appliance.app import ensure_demo_models
+from appliance.benchmark import advice, report
+from appliance.benchmark.servers import appliance_process, free_port, state_folder
+from appliance.benchmark.session import (
+    DOCUMENT_PHASE_INPUT,
+    FIGURE_KEYS,
+    LONG_OUTPUT,
+    PROMPT_WORDS,
+    ROLLOVER_MARGIN,
+    SESSION_INPUT,
+    Served,
+    Workload,
+    completion_chunks,
+    figures,
+    fixed_strategy,
+    improvement,
+    max_in_flight,
+    round_figures,
+    run_session,
+    session_workload,
+)
+from appliance.client.lines import request as line_request
+from appliance.config.types import Config, ModelConfig
+from appliance.config.validate import ConfigInvalid, load_config
+from appliance.daemon.adaptive import usable_cores
+from appliance.daemon.core import physical_memory
+from appliance.engine.gguf_meta import estimate, read_model_shape
+from appliance.errors import ApplianceError
+from appliance.protocol.lines import parse_reply
+
+NAME = "appliance_benchmark"
+NEEDED_N_CTX = DOCUMENT_PHASE_INPUT[1] + LONG_OUTPUT + ROLLOVER_MARGIN
+"""The smallest model ``n_ctx`` that holds one turn of the session (the longest input and answer)."""
+FULL_SLACKS = (1.0, 1.05, 1.1, 1.2, 1.5)
+QUICK_SLACKS = (1.0, 1.2, 1.5)
+MAX_THREAD_POINTS = 8
+DECODE_PROMPT_WORDS = 16
+SWEEP_KEYS = ("ttft_avg_ms", "ttft_p99_ms", "peak_memory_bytes", "tokens_per_s")
+SWEEP_SAMPLE_RATE = 1
+"""The sweep's ``engine.adaptive_sample_rate``: every request profiled, so that the pool follows a short session."""
+
+
+class BenchmarkError(Exception):
+    """The run cannot go on: a one-line reason for the operator."""
+
+
+class Progress(Protocol):
+    """Where the run tells how far it is: ``start`` once with the number of steps, ``advance`` after each."""
+
+    def start(self, total: int) -> None: ...
+
+    def advance(self, label: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Options:
+    config_path: Path
+    model: str | None = None
+    agents: int | None = None
+    rounds: int | None = None
+    quick: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much a run measures."""
+
+    agents: int
+    rounds: int
+    slacks: tuple[float, ...]
+    sweep_rounds: int
+    thread_counts: tuple[int, ...]
+    decode_tokens: int
+    decode_repeats: int
+
+    @property
+    def steps(self) -> int:
+        """Progress steps: every round of the two strategies and of the sweep, and every thread count."""
+        return 2 * self.rounds + len(self.slacks) * self.sweep_rounds + len(self.thread_counts)
+
+
+def scale_of(options: Options, cores: int) -> Scale:
+    """The run's size: the seed's session (4 agents, 20 rounds) or ``--quick`` (2 agents, 3 rounds, three slacks,
+    one and two threads), each overridable by ``--agents`` / ``--rounds``."""
+    if options.quick:
+        agents = options.agents or 2
+        rounds = options.rounds or 3
+        return Scale(agents, rounds, QUICK_SLACKS, rounds, tuple(sorted({1, min(2, cores)})), 32, 1)
+    agents = options.agents or 4
+    rounds = options.rounds or 20
+    counts = tuple(range(1, min(cores, MAX_THREAD_POINTS) + 1))
+    return Scale(agents, rounds, FULL_SLACKS, max(4, rounds // 2), counts, 64, 3)
+
+
+def configured(path: Path) -> Config:
+    """The operator's config, validated; model files may be missing (the demo models are written next)."""
+    try:
+        return load_config(path, check_files=False)
+    except ConfigInvalid as exc:
+        first = exc.problems[0] if exc.problems else "invalid"
+        raise BenchmarkError(f"cannot use the config {path}: {first}") from None
+
+
+def chosen_model(config: Config, name: str | None) -> ModelConfig:
+    """The model the session runs on: ``name``, else the first configured one."""
+    if not config.models:
+        raise BenchmarkError("the config declares no models: add one under models:")
+    if name is None:
+        return config.models[0]
+    model = config.model(name)
+    if model is None:
+        names = ", ".join(m.name for m in config.models)
+        raise BenchmarkError(f"no model named {name!r} in the config (configured: {names})")
+    return model
+
+
+def engine_settings(config: Config) -> dict[str, Any]:
+    """The operator's ``engine:`` section as config text values."""
+    values = dataclasses.asdict(config.engine)
+    values["live_contexts"] = "auto" if config.engine.live_contexts is None else config.engine.live_contexts
+    values["thread_idle_thresholds"] = list(config.engine.thread_idle_thresholds)
+    values["plan_boundaries"] = list(config.engine.plan_boundaries)
+    return values
+
+
+def child_config(config: Config, model: ModelConfig, state: Path, port: int, engine: Mapping[str, Any]) -> str:
+    """The config of one measurement's appliance: the operator's device, admission and engine settings with
+    ``engine`` on top, the chosen model alone (never unloaded), and its own state folder, socket and port."""
+    entry: dict[str, Any] = {"name": model.name, "path": str(model.path), "n_ctx": model.n_ctx,
+                             "n_gpu_layers": model.n_gpu_layers, "idle_ttl_s": 0, "cache_type": model.cache_type}
+    if model.vram_bytes is not None:
+        entry["vram_bytes"] = model.vram_bytes
+    document = {
+        "data_dir": str(state), "device": config.device, "admission_percent": config.admission_percent,
+        "model_dirs": [str(model.path.parent)], "socket": {"path": str(state / "a.sock")},
+        "http": {"host": "127.0.0.1", "port": port}, "resync_interval_s": 0, "log_level": "warning",
+        "host_kv_budget": "auto" if config.host_kv_budget is None else config.host_kv_budget,
+        "engine": {**engine_settings(config), **engine}, "models": [entry],
+    }
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+@contextmanager
+def measured_appliance(config: Config, model: ModelConfig, engine: Mapping[str, Any], what: str) -> Iterator[Served]:
+    state = state_folder()
+    port = free_port()
+    text = child_config(config, model, state, port, engine)
+    with appliance_process(state, text, port, model.name, what) as served:
+        yield served
+
+
+@dataclass(frozen=True)
+class SessionRun:
+    """One session on a fresh appliance: its figures, its rounds (what the charts draw), the most turns in flight at
+    once, its failed turns, and the appliance's memory device (kind, total bytes)."""
+
+    figures: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    in_flight: int
+    errors: list[str]
+    device: tuple[str, int]
+
+
+def run_measured_session(config: Config, model: ModelConfig, engine: Mapping[str, Any], workload: Workload,
+                         progress: Progress, label: str) -> SessionRun:
+    rounds = len(workload.turns)
+
+    def on_round(done: int) -> None:
+        progress.advance(f"{label}: round {done}/{rounds}")
+
+    with measured_appliance(config, model, engine, f"the appliance ({label})") as served:
+        device = device_of(served)
+        results, samples, _ = run_session(served, workload, model.n_ctx, on_round)
+    errors = [f"{label}: agent {r.agent} round {r.round + 1}: {r.error}" for r in results if r.error is not None]
+    for _ in range(rounds - len(samples)):  # a failed round ends the session: its steps are done all the same
+        progress.advance(f"{label}: stopped")
+    return SessionRun(figures(results, samples, 0, rounds), round_figures(results, samples), max_in_flight(results),
+                      errors, device)
+
+
+def decode_tokens_per_s(served: Served, tokens: int, repeats: int) -> float | None:
+    """The median decode speed of a greedy ``tokens``-token stream (first token to last), or None when the model
+    stopped before two tokens."""
+    prompt = " ".join(PROMPT_WORDS[:DECODE_PROMPT_WORDS])
+    body = {"model": served.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    rates = []
+    with httpx.Client(base_url=served.base_url, timeout=600) as http:
+        for _ in range(repeats):
+            first = None
+            last = None
+            generated = 0
+            for chunk in completion_chunks(http, body):
+                usage = chunk.get("usage")
+                if usage:
+                    generated = int(usage.get("completion_tokens", 0))
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                last = now
+            if first is not None and last is not None and generated >= 2 and last > first:
+                rates.append((generated - 1) / (last - first))
+    return statistics.median(rates) if rates else None
+
+
+def device_of(served: Served) -> tuple[str, int]:
+    """The measured appliance's memory device: its kind and total bytes (STATUS ``device`` record)."""
+    reply = parse_reply(line_request(served.socket, "STATUS", timeout=30))
+    if reply.error is not None:
+        raise BenchmarkError(f"STATUS failed: {reply.error.message}")
+    for line in (reply.body or "").splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "device":
+            fields = dict(part.split("=", 1) for part in rest.split() if "=" in part)
+            return fields.get("kind", "unknown"), int(fields["total_bytes"])
+    raise BenchmarkError("STATUS has no device record")
+
+
+def footprints(config: Config) -> tuple[list[advice.ModelFootprint], list[str]]:
+    """Every configured model's weights and KV at its ``n_ctx`` (the ledger's estimate from the GGUF file), and the
+    models that could not be read (with why)."""
+    found = []
+    skipped = []
+    for model in config.models:
+        try:
+            shape = read_model_shape(model.path)
+        except ApplianceError as exc:
+            skipped.append(f"{model.name}: {exc.message}")
+            continue
+        figure = estimate(shape, model.n_ctx, model.cache_type)
+        found.append(advice.ModelFootprint(model.name, figure.weights, figure.kv))
+    return found, skipped
+
+
+def comparison(fixed: Mapping[str, Any], adaptive: Mapping[str, Any]) -> dict[str, Any]:
+    """The seed's table: each figure fixed and adaptive, and how much better adaptive is (positive = better)."""
+    return {"fixed": {key: fixed[key] for key in FIGURE_KEYS},
+            "adaptive": {key: adaptive[key] for key in FIGURE_KEYS},
+            "improvement": {key: improvement(key, fixed[key], adaptive[key]) for key in FIGURE_KEYS}}
+
+
+def run(options: Options, progress: Progress) -> dict[str, Any]:
+    """The whole benchmark; its result document (the saved JSON)."""
+    started = time.perf_counter()
+    config = configured(options.config_path)
+    model = chosen_model(config, options.model)
+    ensure_demo_models(config)
+    if not model.path.is_file():
+        raise BenchmarkError(f"model {model.name}'s file {model.path} does not exist")
+    if model.n_ctx < NEEDED_N_CTX:
+        raise BenchmarkError(f"model {model.name}'s n_ctx {model.n_ctx} cannot hold one turn of the session (at "
+                             f"least {NEEDED_N_CTX} tokens): pick another with --model")
+    cores = usable_cores()
+    scale = scale_of(options, cores)
+    workload = session_workload(scale.agents, scale.rounds, options.seed)
+    fixed = fixed_strategy(model.n_ctx)
+    progress.start(scale.steps)
+
+    fixed_run = run_measured_session(config, model, fixed.engine, workload, progress, "fixed")
+    adaptive_engine = {"adaptive": True}
+    adaptive_run = run_measured_session(config, model, adaptive_engine, workload, progress, "adaptive")
+
+    sweep = []
+    sweep_errors: list[str] = []
+    sweep_workload = session_workload(scale.agents, scale.sweep_rounds, options.seed + 1)
+    for slack in scale.slacks:
+        engine = {"adaptive": True, "hot_pool_slack": slack, "adaptive_sample_rate": SWEEP_SAMPLE_RATE}
+        point = run_measured_session(config, model, engine, sweep_workload, progress, f"slack {slack}")
+        sweep_errors.extend(point.errors)
+        sweep.append({"slack": slack, **{key: point.figures[key] for key in SWEEP_KEYS}})
+
+    curve = []
+    for threads in scale.thread_counts:
+        with measured_appliance(config, model, {"adaptive": False, "threads": threads},
+                                f"the appliance ({threads} threads)") as served:
+            rate = decode_tokens_per_s(served, scale.decode_tokens, scale.decode_repeats)
+        progress.advance(f"threads {threads}: {'-' if rate is None else f'{rate:.1f}'} tokens/s")
+        if rate is not None:
+            curve.append({"threads": threads, "tokens_per_s": rate})
+
+    models, skipped = footprints(config)
+    device_kind, device_total = adaptive_run.device
+    machine = advice.Machine(cores=cores, memory_bytes=physical_memory(), device_kind=device_kind,
+                             device_total_bytes=device_total)
+    measurements = advice.Measurements(
+        machine=machine, tokens_per_s=adaptive_run.figures["tokens_per_s"],
+        slack_sweep=tuple(advice.SlackPoint(**point) for point in sweep),
+        thread_curve=tuple(advice.ThreadPoint(**point) for point in curve),
+        max_in_flight=adaptive_run.in_flight, models=tuple(models), max_connections=config.max_connections,
+        current=advice.current_settings(config))
+    device_class, recommendations = advice.advise(measurements)
+    errors = fixed_run.errors + adaptive_run.errors + sweep_errors
+    footprint = next((m for m in models if m.name == model.name), None)
+    result = {
+        "benchmark": NAME,
+        "quick": options.quick,
+        "finished_at": time.time(),
+        "wall_s": time.perf_counter() - started,
+        "config_path": str(options.config_path.resolve()),
+        "model": {"name": model.name, "path": str(model.path), "n_ctx": model.n_ctx,
+                  "weights_bytes": None if footprint is None else footprint.weights_bytes,
+                  "kv_bytes": None if footprint is None else footprint.kv_bytes},
+        "machine": dataclasses.asdict(machine),
+        "workload": {"agents": scale.agents, "rounds": scale.rounds, "seed": options.seed,
+                     "description": f"{scale.agents} agents x {scale.rounds} rounds, inputs {SESSION_INPUT[0]}-"
+                                    f"{SESSION_INPUT[1]} tokens, tool calls of 16 tokens or answers of 128"},
+        "strategies": {"fixed": {"label": fixed.label, "engine": fixed.engine},
+                       "adaptive": {"label": "engine.adaptive true, the config's other engine settings",
+                                    "engine": adaptive_engine}},
+        "table": comparison(fixed_run.figures, adaptive_run.figures),
+        "rounds": {"fixed": fixed_run.rounds, "adaptive": adaptive_run.rounds},
+        "slack_sweep": sweep,
+        "sweep": {"rounds": scale.sweep_rounds, "adaptive_sample_rate": SWEEP_SAMPLE_RATE},
+        "thread_curve": curve,
+        "decode": {"tokens": scale.decode_tokens, "repeats": scale.decode_repeats},
+        "concurrency": {"max_in_flight": adaptive_run.in_flight, "models_in_use": 1},
+        "models_skipped": skipped,
+        "device_class": {"name": device_class[0], "reason": device_class[1]},
+        "advice": [recommendation.to_dict() for recommendation in recommendations],
+        "errors": errors,
+        "complete": not errors,
+        "loadavg": list(os.getloadavg()),
+    }
+    result["headline"] = report.headline(result)
+    return result
+
+
+def results_folder(config_path: Path) -> Path:
+    """Where results are saved: ``<data_dir>/benchmarks`` (the admin page's Benchmarks tab lists it)."""
+    return configured(config_path).data_dir / "benchmarks"
+
+
+def result_name(finished_at: float) -> str:
+    return time.strftime("appliance-benchmark-%Y%m%d-%H%M%S.json", time.gmtime(finished_at))
+
+
+def save(result: Mapping[str, Any], path: Path) -> None:
+    """Write the result as JSON, atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, path)
+

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from appliance import __version__
 from appliance.benchmark.jobs import BenchmarkJob
+from appliance.config import tune
 from appliance.config.validate import Config, load_config
 from appliance.daemon import policy, registry
 from appliance.daemon.core import Daemon
@@ -206,6 +207,7 @@ class Appliance:
         self.notifier = notifier or Notifier()
         self.reloader: Reloader | None = None
         self.benchmark_job = BenchmarkJob()  # the admin page's benchmark run, one at a time
+        self.tunings: dict[int, dict[str, Any]] = {}  # TUNE: engine settings held by socket connections, by id
         self._device = device
         self._engine_factory = engine_factory
         self._http_enabled = http
@@ -314,6 +316,8 @@ class Appliance:
             self.reloader = Reloader(self.config_path, self, self.notifier, loader=self._load)
             self._tasks.append(asyncio.create_task(self.reloader.run(), name="reloader"))
             self.daemon.on_reload = self._reload_from_socket
+            self.daemon.on_tune = self._tune_from_socket
+            self.daemon.on_untune = self._untune
         self.write_registry()
         log.info("appliance %s started (pid %d): socket %s, http %s, device %s, state %s, config %s", self.version,
                  os.getpid(), config.socket.path, self.http_url, self.daemon.reading.name, config.data_dir,
@@ -394,10 +398,11 @@ class Appliance:
 
     # -- hot reload (SPEC C3) ----------------------------------------------------------------------------
     def _load(self, path: Path) -> Config:
-        """Read and validate the config file with this instance's overrides (the reloader's loader; a thread)."""
+        """Read and validate the config file with this instance's overrides and the engine settings socket
+        connections hold (TUNE): the reloader's loader (a thread)."""
         config = load_config(path, data_dir=self.overrides["data_dir"], socket_path=self.overrides["socket_path"])
         self._loaded_sha256 = file_sha256(path)
-        return config
+        return tune.tuned(config, tune.merged(self.tunings.values()))
 
     def config_report(self) -> dict[str, Any]:
         """The config's status for STATUS and health: ``ok`` or ``invalid`` (the file on disk; the appliance then
@@ -412,6 +417,9 @@ class Appliance:
             report.update(status="invalid", problems=len(reloader.problems), reason=first.message, path=first.path,
                           line=first.line)
         report["reloads"] = len(reloader.history)
+        held = tune.merged(self.tunings.values())
+        if held:  # the engine runs with settings that are not the file's while a connection holds them
+            report["tuned"] = {f"engine.{name}": value for name, value in held.items()}
         last = reloader.history.last
         if last is not None:
             report.update(last_reload=last.result, last_trigger=last.trigger, last_at=last.at)
@@ -571,6 +579,22 @@ class Appliance:
         record = await self.reloader.reload(cast(Trigger, trigger))
         return record.to_dict()
 
+    async def _tune_from_socket(self, owner: object, settings: dict[str, str]) -> dict[str, Any]:
+        """TUNE on the socket: ``owner``'s engine settings (none: cleared), applied by a reload now; its record."""
+        assert self.reloader is not None
+        values = tune.engine_values(settings)
+        if values:
+            self.tunings[id(owner)] = values
+        else:
+            self.tunings.pop(id(owner), None)
+        record = await self.reloader.reload("tune")
+        return record.to_dict()
+
+    def _untune(self, owner: object) -> None:
+        """A connection closed: the engine settings it held go back to the file's (a reload, soon)."""
+        if self.tunings.pop(id(owner), None) is not None and self.reloader is not None:
+            self.reloader.request("tune")
+
     def _on_reload_signal(self) -> None:
         if self.reloader is None:
             log.warning("received SIGHUP: no config file to re-read (this appliance runs a config given in code)")
@@ -674,10 +698,9 @@ class Appliance:
 
 
 def keep_restart_settings(new: Config, old: Config) -> Config:
-    """``new`` with the running values of the settings a reload cannot change (``data_dir``, ``device``,
-    ``engine.threads``): they wait for a restart."""
-    engine = dataclasses.replace(new.engine, threads=old.engine.threads)
-    return dataclasses.replace(new, data_dir=old.data_dir, device=old.device, engine=engine)
+    """``new`` with the running values of the settings a reload cannot change (``data_dir``, ``device``): they wait
+    for a restart."""
+    return dataclasses.replace(new, data_dir=old.data_dir, device=old.device)
 
 
 def file_sha256(path: Path | None) -> str | None:

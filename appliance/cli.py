@@ -283,8 +283,9 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         shown = {"bar": progress.BarProgress, "lines": progress.LineProgress, "none": progress.NoProgress}
         mode = args.progress or ("bar" if sys.stderr.isatty() else "lines")
         bar = shown[mode]()
+        running = None if args.socket is None else running_appliance(args)
         options = runner.Options(path, model=args.model, agents=args.agents, rounds=args.rounds, quick=args.quick,
-                                 seed=args.seed)
+                                 seed=args.seed, running=running)
         try:
             result = runner.run(options, bar)
             out = args.out or runner.results_folder(path) / runner.result_name(result["finished_at"])
@@ -301,6 +302,22 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     if args.apply:
         apply_advice(args, path, result)
     return 0 if result["complete"] else EXIT_FAILED
+
+
+def running_appliance(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """``benchmark --socket``: the running appliance to measure in place (its socket, HTTP address, process)."""
+    from appliance.benchmark.inplace import RunningAppliance
+
+    target = reachable_socket(args)
+    if target.http is None:
+        raise CliError(f"the appliance on {target.socket} has no known HTTP address: give --config with its "
+                       f"config file", EXIT_CONFIG_INVALID)
+    pid = None
+    if target.config is not None:
+        doc = registry.read(_load_client_config(target.config).data_dir) or {}
+        if doc.get("socket") == str(target.socket) and isinstance(doc.get("pid"), int):
+            pid = doc["pid"]
+    return RunningAppliance(target.socket, target.http, pid)
 
 
 def interrupted(signum: int, frame: object) -> None:
@@ -541,7 +558,8 @@ def table_command(line: str, lists: tuple[str, ...]) -> Callable[[argparse.Names
 
 BENCHMARK_EPILOG = """\
 what it runs, each in an appliance process of its own (its own state folder, socket and port; a running
-appliance on the same config is not touched):
+appliance on the same config is not touched), or with --socket on the running appliance in place (the settings
+of each measurement held over its file's with the line protocol's TUNE, and let go at the end):
   1. the agent session (agents x rounds, inputs 50-600 tokens, 16- or 128-token answers) with the fixed strategy
      (engine.adaptive false, llama-cpp-python's default threads) and with the adaptive engine;
   2. a hot_pool_slack sweep (the same session, shorter, each request profiled);
@@ -643,6 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "<data_dir>/benchmarks/appliance-benchmark-<UTC time>.json)")
     bench.add_argument("--progress", choices=("bar", "lines", "none"),
                        help="a bar (default on a terminal), PROGRESS lines on stderr (default otherwise), or none")
+    bench.add_argument("--socket", nargs="?", const="", metavar="PATH",
+                       help="measure the running appliance in place (its socket; without PATH, found through "
+                            "--config) instead of appliance processes of the run's own: each measurement's engine "
+                            "settings are held with TUNE on one connection, then let go")
     bench.add_argument("--result", metavar="FILE", help="measure nothing: print (and --apply) a saved result")
     bench.add_argument("--apply", action="store_true", help="write the advice into the config, keeping its "
                                                             "comments; a running appliance reloads it")

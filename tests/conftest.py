@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +37,29 @@ def model_dir(tmp_path: Path, tiny_model: Path, tiny_model_b: Path) -> Path:
     shutil.copy(tiny_model, folder / "tiny.gguf")
     shutil.copy(tiny_model_b, folder / "tiny_b.gguf")
     return folder
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's headless Chromium driven by Playwright (tests/test_admin_browser.py, the Benchmarks tab's test).
+    One per module, never per session: Playwright's sync API holds an event loop on the main thread while it runs,
+    and every later ``asyncio.run`` of the session would fail."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh, which installs it with "
+                    "apt-get (or: apt-get install -y chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: install the test extra (pip install -e '.[test]'); the browser is "
+                    "Debian's chromium, never 'playwright install'")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

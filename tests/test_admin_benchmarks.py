@@ -411,6 +411,23 @@ def test_apply_refuses_advice_the_config_would_refuse(app) -> None:  # type: ign
     assert all(record["trigger"] != "benchmark" for record in app.appliance.reload_history())
 
 
+def test_a_run_in_place_measures_this_appliance_through_its_own_socket(
+        app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    stand_in = StandIn(tmp_path, "ok")
+    app.appliance.benchmark_job = BenchmarkJob(stand_in)
+    started = post(app, "/admin/benchmarks/run", {"quick": "on", "in_place": "on"})
+    assert started.headers["x-appliance-outcome"] == "ok" and "in place" in started.text
+    argv = app.appliance.benchmark_job.argv
+    assert argv[-2:] == ["--socket", str(app.appliance.config.socket.path)]
+    assert "(in place)" in poll_run(app, "1 of 3 steps").text
+    stand_in.gate.touch()
+    poll_run(app, 'data-state="finished"')
+    post(app, "/admin/benchmarks/run", {"quick": "on"})
+    assert "--socket" not in app.appliance.benchmark_job.argv  # unticked: processes of the run's own
+    stand_in.gate.touch()
+    poll_run(app, 'data-state="finished"')
+
+
 def test_a_run_shows_its_progress_refuses_a_second_start_then_links_its_result(
         app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     stand_in = StandIn(tmp_path, "ok")

@@ -7,13 +7,11 @@ a 375 px phone screen. Screenshots go to the test's ``tmp_path``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import running
-from test_admin_browser import CHROMIUM, CHROMIUM_ARGS, DESKTOP, PHONE, Problems
+from test_admin_browser import DESKTOP, PHONE, Problems
 
 RUN_MS = 300_000  # a quick run takes about 20-90 s on a slow, shared 2-core box
 WAIT_MS = 30_000
@@ -32,24 +30,6 @@ RECORD_PROGRESS = """() => {
 }"""
 """Records each value the progress bar shows (the polled fragment replaces it), and marks the document so that a
 reload would be noticed."""
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh, which installs it with "
-                    "apt-get (or: apt-get install -y chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("playwright is missing: install the test extra (pip install -e '.[test]'); the browser is "
-                    "Debian's chromium, never 'playwright install'")
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture

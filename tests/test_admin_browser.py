@@ -7,39 +7,17 @@ its figures; resync shows the reading before and after; a chat message streams i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import running
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 HUGE_BYTES = 64 * 1024**3  # over any cap on the fake 8 GiB device
 PHONE = {"width": 375, "height": 740}
 DESKTOP = {"width": 1280, "height": 900}
 PAGES = ("/admin/", "/admin/registry", "/admin/device", "/admin/config", "/admin/benchmarks", "/admin/chat")
 WAIT_MS = 30_000  # a bound for a slow, shared 2-core machine; the polling itself is every 2 s
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh, which installs it with "
-                    "apt-get (or: apt-get install -y chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("playwright is missing: install the test extra (pip install -e '.[test]'); the browser is "
-                    "Debian's chromium, never 'playwright install'")
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from appliance.benchmark import progress, report, runner
 from appliance.benchmark.servers import free_port
 from appliance.benchmark.session import FIGURE_KEYS, TurnResult, max_in_flight
 from appliance.client.lines import request as line_request
+from appliance.config import tune
 from appliance.errors import ApplianceError
 from appliance.protocol import lines
 
@@ -311,3 +312,149 @@ def test_reload_over_the_socket_of_an_appliance_without_a_config_file_is_refused
     with running({}, model_dirs=[tmp_path]) as app:
         reply = line_request(app.socket, "RELOAD", timeout=30)
     assert reply.startswith("ERR FORBIDDEN") and "without a config file" in reply
+
+
+# -- TUNE: engine settings held by a connection (what --socket measures with) -------------------------------------
+
+
+TUNE_LINES = [
+    ("TUNE", lines.Command("TUNE")),
+    ("TUNE engine.adaptive=false engine.threads=1",
+     lines.Command("TUNE", settings=(("engine.adaptive", "false"), ("engine.threads", "1")))),
+    ("tune engine.thread_idle_thresholds=[70,20]",
+     lines.Command("TUNE", settings=(("engine.thread_idle_thresholds", "[70,20]"),))),
+]
+
+
+@pytest.mark.parametrize(("line", "command"), TUNE_LINES)
+def test_tune_reads_engine_settings(line: str, command: lines.Command) -> None:
+    assert lines.parse_line(line) == command
+
+
+BAD_TUNES = [
+    ("TUNE log_level=debug", "engine settings only"),
+    ("TUNE engine.nope=1", "engine settings only"),
+    ("TUNE engine.threads", "usage: TUNE engine.threads=<value>"),
+    ("TUNE engine.threads=", "usage: TUNE engine.threads=<value>"),
+    ("TUNE engine.threads=1 engine.threads=2", "engine.threads given twice"),
+]
+
+
+@pytest.mark.parametrize(("line", "why"), BAD_TUNES)
+def test_tune_refuses_what_is_not_one_engine_setting_each(line: str, why: str) -> None:
+    with pytest.raises(ApplianceError) as caught:
+        lines.parse_line(line)
+    assert caught.value.code == "BAD_REQUEST" and why in caught.value.message
+
+
+TUNE_VALUES = [
+    ({"engine.adaptive": "false"}, {"adaptive": False}),
+    ({"engine.threads": "1", "engine.hot_pool_slack": "1.5"}, {"threads": 1, "hot_pool_slack": 1.5}),
+    ({"engine.thread_idle_thresholds": "[70,20]"}, {"thread_idle_thresholds": (70, 20)}),
+    ({"engine.live_contexts": "auto"}, {"live_contexts": None}),
+]
+
+
+@pytest.mark.parametrize(("settings", "values"), TUNE_VALUES)
+def test_tune_values_are_the_configs_typed_values(settings: dict[str, str], values: dict[str, Any]) -> None:
+    assert tune.engine_values(settings) == values
+
+
+BAD_TUNE_VALUES = [
+    ({"engine.threads": "-1"}, "engine.threads"),
+    ({"engine.hot_pool_slack": "99"}, "engine.hot_pool_slack"),
+    ({"engine.adaptive": "maybe"}, "engine.adaptive"),
+    ({"engine.thread_idle_thresholds": "[10,20]"}, "engine.thread_idle_thresholds"),
+    ({"engine.live_slots": "[1"}, "engine.live_slots"),
+]
+
+
+@pytest.mark.parametrize(("settings", "key"), BAD_TUNE_VALUES)
+def test_tune_refuses_a_value_the_config_would_refuse(settings: dict[str, str], key: str) -> None:
+    with pytest.raises(ApplianceError) as caught:
+        tune.engine_values(settings)
+    assert caught.value.code == "BAD_REQUEST" and caught.value.message.startswith(key)
+
+
+def test_later_tunings_win_and_none_leaves_the_config_alone(tmp_path: Path) -> None:
+    from appliance.config.validate import default_config
+
+    config = default_config(tmp_path)
+    assert tune.merged([{"threads": 1, "adaptive": False}, {"threads": 2}]) == {"threads": 2, "adaptive": False}
+    assert tune.tuned(config, {}) is config
+    assert tune.tuned(config, {"threads": 3}).engine.threads == 3
+    assert tune.tuned(config, {"threads": 3}).engine.adaptive == config.engine.adaptive
+
+
+def context_of(app: Any, model: str) -> dict[str, Any]:
+    [record] = [c for c in app.daemon.snapshot()["contexts"] if c["model"] == model]
+    return record
+
+
+def wait_for(predicate: Any, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_tune_holds_settings_while_its_connection_lasts_and_lets_go_when_it_closes(tiny_model: Path) -> None:
+    from appliance.benchmark.inplace import Control
+    from tests.harness import running
+
+    with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], watch=True) as app:
+        assert app.line("REGISTER a tiny").startswith("OK")
+        assert "plan=S threads=" in app.line("DECODE a 2 hello")  # adaptive: the file's default
+        control = Control(app.socket)
+        control.tune({"adaptive": False, "threads": 1})
+        assert app.appliance.config_report()["tuned"] == {"engine.adaptive": False, "engine.threads": 1}
+        wait_for(lambda: (context_of(app, "tiny")["plan"], context_of(app, "tiny")["threads"]) == ("fixed", 1),
+                 "the context is rebuilt with the fixed strategy and one thread")
+        assert "plan=fixed threads=1" in app.line("DECODE a 2")
+        # a file reload meanwhile keeps what the connection holds
+        app.edit(app.config_file.read_text().replace("resync_interval_s: 0", "resync_interval_s: 9"))
+        assert app.reload().result == "applied"
+        assert app.daemon.config.engine.threads == 1 and app.daemon.config.resync_interval_s == 9
+        reply = lines.parse_reply(line_request(app.socket, "TUNE engine.adaptive=maybe", timeout=30))
+        assert reply.error is not None and reply.error.code == "BAD_REQUEST"  # and the held settings stay
+        assert app.daemon.config.engine.adaptive is False
+        control.close()
+        wait_for(lambda: "tuned" not in app.appliance.config_report(), "the settings are let go")
+        wait_for(lambda: context_of(app, "tiny")["plan"] != "fixed", "the context goes adaptive again")
+        assert app.daemon.config.engine.threads == 0 and app.daemon.config.resync_interval_s == 9
+        triggers = [record["trigger"] for record in app.appliance.reload_history()]
+        assert triggers[-1] == "tune" and triggers.count("tune") == 2
+
+
+def test_a_reload_applies_engine_threads_to_the_live_context(tiny_model: Path) -> None:
+    from tests.harness import running
+
+    with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], watch=True) as app:
+        assert app.line("REGISTER a tiny").startswith("OK")
+        app.line("DECODE a 2 hello")
+        app.edit(app.config_file.read_text() + "engine:\n  threads: 1\n")
+        record = app.reload()
+        assert record.result == "applied" and "engine.threads" in record.diff and not record.restart_needed
+        assert "threads=1" in app.line("DECODE a 2")
+
+
+@pytest.mark.slow
+def test_a_benchmark_in_place_measures_the_running_appliance_and_leaves_it_as_it_found_it(
+        folder: Path, running_appliance: Path) -> None:
+    config = running_appliance
+    before = health(config)
+    out = folder / "inplace.json"
+    done = appliance_cli("benchmark", "--config", str(config), "--socket", "--quick", "--out", str(out),
+                         "--progress", "none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["place"].startswith("in place: ")
+    assert result["table"]["fixed"]["peak_memory_bytes"] > 10 * 2**20
+    assert all(result["table"][strategy]["ttft_avg_ms"] > 0 for strategy in ("fixed", "adaptive"))
+    assert all(row["plan"] == "fixed" for row in result["rounds"]["fixed"])
+    assert all(row["plan"] != "fixed" for row in result["rounds"]["adaptive"])
+    wait_for(lambda: "tuned" not in health(config)["config"], "the run's settings are let go")
+    after = health(config)
+    assert after["agents"] == before["agents"]  # its conversations are gone
+    assert after["engine"]["adaptive"] == before["engine"]["adaptive"]
+    assert after["config"]["sha256"] == before["config"]["sha256"]  # the file is untouched

@@ -48,6 +48,7 @@ PURE = [
     "engine.schedule",
     "supervisor.plan",
     "supervisor.record",
+    "config.tune",
     "benchmark.advice",
     "benchmark.report",
     "benchmark.progress",

@@ -89,6 +89,7 @@ class JobStatus:
 
     state: State
     quick: bool = False
+    in_place: bool = False
     done: int = 0
     total: int = 0
     label: str = ""
@@ -113,6 +114,8 @@ class BenchmarkJob:
         self.stop_grace_s = stop_grace_s
         self.state: State = "idle"
         self.quick = False
+        self.in_place = False
+        self.argv: list[str] = []
         self.progress: Step | None = None
         self.started_at: float | None = None
         self.finished_at: float | None = None
@@ -129,13 +132,16 @@ class BenchmarkJob:
     def status(self) -> JobStatus:
         progress = self.progress or Step(0, 0, "")
         elapsed = time.monotonic() - self._clock if self.state == "running" else self._elapsed
-        return JobStatus(self.state, self.quick, progress.done, progress.total, progress.label, self.started_at,
-                         self.finished_at, elapsed, self.result.name if self.result is not None else None,
-                         self.exit_code, self.error, tuple(self.tail))
+        return JobStatus(self.state, self.quick, self.in_place, progress.done, progress.total, progress.label,
+                         self.started_at, self.finished_at, elapsed,
+                         self.result.name if self.result is not None else None, self.exit_code, self.error,
+                         tuple(self.tail))
 
-    async def start(self, config_path: Path | None, folder: Path, *, quick: bool) -> JobStatus:
-        """Start a run on ``config_path`` writing its result into ``folder``. Refused (``MODEL_BUSY``) while one
-        runs; ``BAD_REQUEST`` without a config file; ``INTERNAL`` when the child cannot be started."""
+    async def start(self, config_path: Path | None, folder: Path, *, quick: bool,
+                    socket: Path | None = None) -> JobStatus:
+        """Start a run on ``config_path`` writing its result into ``folder``; with ``socket``, in place on the
+        appliance answering there (``--socket``). Refused (``MODEL_BUSY``) while one runs; ``BAD_REQUEST`` without a
+        config file; ``INTERNAL`` when the child cannot be started."""
         if self.state == "running":
             progress = self.progress or Step(0, 0, "starting")
             raise ApplianceError("MODEL_BUSY", f"a benchmark is already running ({progress.done} of "
@@ -152,6 +158,10 @@ class BenchmarkJob:
         out = result_path(folder, time.time())
         self._reset(out, quick)  # from here a second start is refused, even while the child is being spawned
         argv = self.command(config_path, out, quick)
+        if socket is not None:
+            argv += ["--socket", str(socket)]
+        self.in_place = socket is not None
+        self.argv = argv
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,

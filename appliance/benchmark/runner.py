@@ -15,8 +15,8 @@ import os
 import statistics
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +24,8 @@ import httpx
 import yaml
 
 from appliance.app import ensure_demo_models
-from appliance.benchmark import advice, report
+from appliance.benchmark import advice, inplace, report
+from appliance.benchmark.inplace import RunningAppliance
 from appliance.benchmark.servers import appliance_process, free_port, state_folder
 from appliance.benchmark.session import (
     DOCUMENT_PHASE_INPUT,
@@ -33,6 +34,7 @@ from appliance.benchmark.session import (
     PROMPT_WORDS,
     ROLLOVER_MARGIN,
     SESSION_INPUT,
+    RoundSample,
     Served,
     Workload,
     completion_chunks,
@@ -87,6 +89,7 @@ class Options:
     rounds: int | None = None
     quick: bool = False
     seed: int = 0
+    running: RunningAppliance | None = None  # --socket: measure this appliance in place
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,60 @@ def measured_appliance(config: Config, model: ModelConfig, engine: Mapping[str, 
         yield served
 
 
+class Place(Protocol):
+    """Where the measurements run: appliance processes of the run's own, or the running appliance in place."""
+
+    prefix: str
+    """Before the session's conversation names (apart from other clients' on a shared appliance)."""
+    lifetime_peak: bool
+    """Whether the process's peak memory (VmHWM) is the measurement's own; else the most RSS seen during it."""
+
+    def measure(self, engine: Mapping[str, Any], label: str) -> AbstractContextManager[Served]: ...
+
+
+@dataclass
+class OwnProcesses:
+    """Each measurement in a fresh ``appliance run`` with the operator's config, the chosen model and ``engine``."""
+
+    config: Config
+    model: ModelConfig
+    prefix: str = ""
+    lifetime_peak: bool = True
+
+    def measure(self, engine: Mapping[str, Any], label: str) -> AbstractContextManager[Served]:
+        return measured_appliance(self.config, self.model, engine, f"the appliance ({label})")
+
+
+def session_prefix() -> str:
+    """The in-place session's conversation names start ``bench<pid>-``."""
+    return f"bench{os.getpid()}-"
+
+
+@dataclass
+class InPlace:
+    """Each measurement on the running appliance with ``engine`` held over its file's settings (``TUNE``)."""
+
+    control: inplace.Control
+    target: RunningAppliance
+    model: ModelConfig
+    prefix: str = field(default_factory=session_prefix)
+    lifetime_peak: bool = False
+
+    def measure(self, engine: Mapping[str, Any], label: str) -> AbstractContextManager[Served]:
+        return inplace.tuned(self.control, self.target, self.model.name, engine)
+
+
+def measurement_peaks(samples: list[RoundSample]) -> list[RoundSample]:
+    """The rounds with the most RSS seen so far as their peak (a shared process's VmHWM is its lifetime's)."""
+    peaks = []
+    most = None
+    for sample in samples:
+        if sample.rss_bytes is not None:
+            most = sample.rss_bytes if most is None else max(most, sample.rss_bytes)
+        peaks.append(dataclasses.replace(sample, hwm_bytes=most))
+    return peaks
+
+
 @dataclass(frozen=True)
 class SessionRun:
     """One session on a fresh appliance: its figures, its rounds (what the charts draw), the most turns in flight at
@@ -189,16 +246,18 @@ class SessionRun:
     device: tuple[str, int]
 
 
-def run_measured_session(config: Config, model: ModelConfig, engine: Mapping[str, Any], workload: Workload,
+def run_measured_session(place: Place, model: ModelConfig, engine: Mapping[str, Any], workload: Workload,
                          progress: Progress, label: str) -> SessionRun:
     rounds = len(workload.turns)
 
     def on_round(done: int) -> None:
         progress.advance(f"{label}: round {done}/{rounds}")
 
-    with measured_appliance(config, model, engine, f"the appliance ({label})") as served:
+    with place.measure(engine, label) as served:
         device = device_of(served)
-        results, samples, _ = run_session(served, workload, model.n_ctx, on_round)
+        results, samples, _ = run_session(served, workload, model.n_ctx, on_round, place.prefix)
+    if not place.lifetime_peak:
+        samples = measurement_peaks(samples)
     errors = [f"{label}: agent {r.agent} round {r.round + 1}: {r.error}" for r in results if r.error is not None]
     for _ in range(rounds - len(samples)):  # a failed round ends the session: its steps are done all the same
         progress.advance(f"{label}: stopped")
@@ -279,29 +338,44 @@ def run(options: Options, progress: Progress) -> dict[str, Any]:
     if model.n_ctx < NEEDED_N_CTX:
         raise BenchmarkError(f"model {model.name}'s n_ctx {model.n_ctx} cannot hold one turn of the session (at "
                              f"least {NEEDED_N_CTX} tokens): pick another with --model")
+    if options.running is None:
+        return measurements(options, config, model, OwnProcesses(config, model), progress, started)
+    try:
+        control = inplace.Control(options.running.socket)
+    except OSError as exc:
+        raise BenchmarkError(f"no appliance answers on {options.running.socket}: {exc.strerror or exc}") from None
+    try:
+        return measurements(options, config, model, InPlace(control, options.running, model), progress, started)
+    except inplace.TuneFailed as exc:
+        raise BenchmarkError(str(exc)) from None
+    finally:
+        control.close()  # the appliance gets its own settings back
+
+
+def measurements(options: Options, config: Config, model: ModelConfig, place: Place, progress: Progress,
+                 started: float) -> dict[str, Any]:
+    """Every measurement at ``place``, the advice, and the result document."""
     cores = usable_cores()
     scale = scale_of(options, cores)
     workload = session_workload(scale.agents, scale.rounds, options.seed)
     fixed = fixed_strategy(model.n_ctx)
     progress.start(scale.steps)
-
-    fixed_run = run_measured_session(config, model, fixed.engine, workload, progress, "fixed")
+    fixed_run = run_measured_session(place, model, fixed.engine, workload, progress, "fixed")
     adaptive_engine = {"adaptive": True}
-    adaptive_run = run_measured_session(config, model, adaptive_engine, workload, progress, "adaptive")
+    adaptive_run = run_measured_session(place, model, adaptive_engine, workload, progress, "adaptive")
 
     sweep = []
     sweep_errors: list[str] = []
     sweep_workload = session_workload(scale.agents, scale.sweep_rounds, options.seed + 1)
     for slack in scale.slacks:
         engine = {"adaptive": True, "hot_pool_slack": slack, "adaptive_sample_rate": SWEEP_SAMPLE_RATE}
-        point = run_measured_session(config, model, engine, sweep_workload, progress, f"slack {slack}")
+        point = run_measured_session(place, model, engine, sweep_workload, progress, f"slack {slack}")
         sweep_errors.extend(point.errors)
         sweep.append({"slack": slack, **{key: point.figures[key] for key in SWEEP_KEYS}})
 
     curve = []
     for threads in scale.thread_counts:
-        with measured_appliance(config, model, {"adaptive": False, "threads": threads},
-                                f"the appliance ({threads} threads)") as served:
+        with place.measure({"adaptive": False, "threads": threads}, f"{threads} threads") as served:
             rate = decode_tokens_per_s(served, scale.decode_tokens, scale.decode_repeats)
         progress.advance(f"threads {threads}: {'-' if rate is None else f'{rate:.1f}'} tokens/s")
         if rate is not None:
@@ -326,6 +400,7 @@ def run(options: Options, progress: Progress) -> dict[str, Any]:
         "finished_at": time.time(),
         "wall_s": time.perf_counter() - started,
         "config_path": str(options.config_path.resolve()),
+        "place": "own processes" if options.running is None else f"in place: {options.running.socket}",
         "model": {"name": model.name, "path": str(model.path), "n_ctx": model.n_ctx,
                   "weights_bytes": None if footprint is None else footprint.weights_bytes,
                   "kv_bytes": None if footprint is None else footprint.kv_bytes},

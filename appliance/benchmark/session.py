@@ -17,6 +17,7 @@ VmRSS at the end - VmRSS after round 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 
 from appliance.client.lines import request as line_request
+from appliance.errors import ApplianceError
 
 SHORT_OUTPUT = 16
 """``max_tokens`` of a tool call."""
@@ -195,7 +197,7 @@ class Served:
 
     base_url: str
     socket: Path
-    pid: int
+    pid: int | None  # None: its memory cannot be read (figures None)
     log: Path
     model: str
 
@@ -274,10 +276,11 @@ class AgentState:
     held_tokens: int = 0
     rollovers: int = 0
     abandoned: list[str] = field(default_factory=list)  # conversations left behind, not unregistered yet
+    prefix: str = ""  # before every conversation's name: apart from other clients' on a shared appliance
 
     @property
     def user(self) -> str:
-        return f"agent{self.index}-conv{self.conversation}"
+        return f"{self.prefix}agent{self.index}-conv{self.conversation}"
 
     def prompt_for(self, step: Turn, n_ctx: int) -> str:
         """The prompt of ``step``: the history and the new text; a new conversation when it would pass ``n_ctx``."""
@@ -330,8 +333,8 @@ class RoundSample:
 
     round: int
     wall_s: float
-    rss_bytes: int
-    hwm_bytes: int
+    rss_bytes: int | None
+    hwm_bytes: int | None
     contexts: list[dict[str, Any]]
     engine: dict[str, Any]
     agents_registered: int
@@ -359,11 +362,12 @@ def ignore_round(done: int) -> None:
 
 
 def run_session(served: Served, workload: Workload, n_ctx: int, on_round: RoundDone = ignore_round,
-                ) -> tuple[list[TurnResult], list[RoundSample], list[AgentState]]:
+                prefix: str = "") -> tuple[list[TurnResult], list[RoundSample], list[AgentState]]:
     """The workload's rounds against ``served``: every agent's turn at once (one keep-alive connection per agent),
-    then the round's sample."""
+    then the round's sample. The conversations still registered at the end are unregistered, so the appliance
+    keeps nothing of the session."""
     n_agents = len(workload.turns[0])
-    agents = [AgentState(index) for index in range(n_agents)]
+    agents = [AgentState(index, prefix=prefix) for index in range(n_agents)]
     results: list[TurnResult] = []
     samples: list[RoundSample] = []
     clients = [httpx.Client(base_url=served.base_url, timeout=REQUEST_TIMEOUT_S) for _ in agents]
@@ -388,8 +392,9 @@ def run_session(served: Served, workload: Workload, n_ctx: int, on_round: RoundD
             ends = [r.last_token or r.sent for r in turn_results]
             wall = max(ends) - min(r.sent for r in turn_results)
             document = health(served.base_url)
-            samples.append(RoundSample(round_index, wall, proc_status_bytes(served.pid, "VmRSS"),
-                                       proc_status_bytes(served.pid, "VmHWM"), choices_of(document),
+            rss = None if served.pid is None else proc_status_bytes(served.pid, "VmRSS")
+            hwm = None if served.pid is None else proc_status_bytes(served.pid, "VmHWM")
+            samples.append(RoundSample(round_index, wall, rss, hwm, choices_of(document),
                                        document.get("engine") or {}, int(document.get("agents", 0))))
             if any(r.error is not None for r in turn_results):
                 break  # the conversations no longer follow the workload: figures would not compare
@@ -397,7 +402,18 @@ def run_session(served: Served, workload: Workload, n_ctx: int, on_round: RoundD
     finally:
         for client in clients:
             client.close()
+        forget(served, agents, results)
     return results, samples, agents
+
+
+def forget(served: Served, agents: Sequence[AgentState], results: Sequence[TurnResult]) -> None:
+    """Unregister every conversation of the session still registered (those that answered at least once)."""
+    answered = {result.user for result in results if result.usage}
+    for agent in agents:
+        for user in [*agent.abandoned, agent.user]:
+            if user in answered:
+                with contextlib.suppress(RuntimeError, OSError, ApplianceError):
+                    unregister(served, user)
 
 
 def figures(results: Sequence[TurnResult], samples: Sequence[RoundSample], first: int, end: int) -> dict[str, Any]:
@@ -417,7 +433,7 @@ def figures(results: Sequence[TurnResult], samples: Sequence[RoundSample], first
         "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
         "tokens_per_s": generated / wall if wall > 0 else None,
         "peak_memory_bytes": rounds[-1].hwm_bytes if rounds else None,
-        "memory_growth_bytes": rounds[-1].rss_bytes - rounds[0].rss_bytes if rounds else None,
+        "memory_growth_bytes": growth(rounds[0].rss_bytes, rounds[-1].rss_bytes) if rounds else None,
         "rss_after_first_round_bytes": rounds[0].rss_bytes if rounds else None,
         "rss_end_bytes": rounds[-1].rss_bytes if rounds else None,
     }
@@ -442,6 +458,10 @@ def improvement(key: str, fixed: float | None, adaptive: float | None) -> float 
     if LOWER_IS_BETTER[key]:
         return (fixed - adaptive) / abs(fixed)
     return (adaptive - fixed) / fixed
+
+
+def growth(first: int | None, last: int | None) -> int | None:
+    return None if first is None or last is None else last - first
 
 
 def round_figures(results: Sequence[TurnResult], samples: Sequence[RoundSample]) -> list[dict[str, Any]]:

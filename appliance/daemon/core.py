@@ -327,6 +327,8 @@ class Daemon:
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
         self.reports: dict[str, Callable[[], Any]] = {}  # other parts' figures for STATUS
         self.on_reload: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # RELOAD: the supervisor's reload
+        self.on_tune: Callable[[object, dict[str, str]], Awaitable[dict[str, Any]]] | None = None  # TUNE, by owner
+        self.on_untune: Callable[[object], None] | None = None  # a TUNE owner's connection closed
         self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
         self._context_lock = asyncio.Lock()  # one claim of a live context at a time (SPEC L8)

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from appliance.config.schema import SETTINGS
 from appliance.errors import ApplianceError
 from appliance.protocol.events import CLOSED, NEED_DATA, Sentinel
 
@@ -58,6 +59,8 @@ COMMANDS: dict[str, str] = {
     "DECODE": "DECODE <agent> <n_tokens> [prompt]  generate; an empty prompt continues the conversation",
     "RESYNC": "RESYNC                             re-read the device and re-base the ledger cap",
     "RELOAD": "RELOAD [benchmark]                 re-read appliance.yaml now (the record says who asked)",
+    "TUNE": "TUNE [engine.<key>=<value> ...]     engine settings over the file's while this connection lasts "
+            "(none: clear)",
 }
 
 
@@ -71,6 +74,7 @@ class Command:
     n_tokens: int | None = None
     prompt: str = ""
     trigger: str | None = None  # RELOAD: what the reload record names as its cause
+    settings: tuple[tuple[str, str], ...] = ()  # TUNE: (engine key, value as written), in order
 
 
 def _bad(message: str, **details: Any) -> ApplianceError:
@@ -87,6 +91,31 @@ def _agent(text: str) -> str:
 def is_count(text: str) -> bool:
     """ASCII digits only (``"²".isdigit()`` is true in Python), and few enough to convert cheaply."""
     return 0 < len(text) <= MAX_COUNT_DIGITS and text.isascii() and text.isdigit()
+
+
+ENGINE_KEYS = frozenset(setting.key for setting in SETTINGS if setting.key.startswith("engine."))
+"""What TUNE may set: the engine's settings (every one applies to a running daemon)."""
+MAX_TUNE_SETTINGS = len(ENGINE_KEYS)
+
+
+def _settings(text: str) -> tuple[tuple[str, str], ...]:
+    """TUNE's ``engine.<key>=<value>`` words: known engine keys, each once, values not empty (their types and ranges
+    are the config's to check)."""
+    words = text.split()
+    if len(words) > MAX_TUNE_SETTINGS:
+        raise _bad(f"TUNE takes at most {MAX_TUNE_SETTINGS} settings", max=MAX_TUNE_SETTINGS)
+    pairs: list[tuple[str, str]] = []
+    for word in words:
+        key, equals, value = word.partition("=")
+        if key not in ENGINE_KEYS:
+            raise _bad(f"TUNE sets engine settings only, as engine.<key>=<value>; not {word[:64]!r}",
+                       key=key[:64])
+        if not equals or not value:
+            raise _bad(f"usage: TUNE {key}=<value>", key=key)
+        if any(key == seen for seen, _ in pairs):
+            raise _bad(f"{key} given twice", key=key)
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 RELOAD_TRIGGERS = ("benchmark",)
@@ -120,6 +149,8 @@ def parse_line(line: str | bytes) -> Command:
         if rest and rest.lower() not in RELOAD_TRIGGERS:
             raise _bad(f"usage: RELOAD [{'|'.join(RELOAD_TRIGGERS)}]", trigger=rest[:32])
         return Command(name, trigger=rest.lower() or "api")
+    if name == "TUNE":
+        return Command(name, settings=_settings(rest))
     if name == "UNREGISTER":
         if not rest or " " in rest:
             raise _bad("usage: UNREGISTER <agent>")

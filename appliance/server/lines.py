@@ -91,8 +91,8 @@ def list_body(daemon: Daemon) -> list[str]:
     return lines.format_records("model", records)
 
 
-async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Event) -> str:
-    """Run one parsed command and return its full reply text."""
+async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Event, owner: object = None) -> str:
+    """Run one parsed command and return its full reply text (``owner``: the connection, for TUNE)."""
     name = command.name
     if name == "HELP":
         return lines.help_text()
@@ -114,6 +114,14 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
         return lines.format_reply("RELOAD", [{"result": record["result"], "trigger": record["trigger"],
                                               "diff": record["diff"] or "none", "applied": record["applied"] or "none",
                                               "error": record["error"] or "none"}])
+    if name == "TUNE":
+        if daemon.on_tune is None:
+            raise ApplianceError("FORBIDDEN", "this daemon runs without a config file to tune")
+        record = await daemon.on_tune(owner, dict(command.settings))
+        tuned = ",".join(f"{key}={value}" for key, value in command.settings) or "none"
+        return lines.format_reply("TUNE", [{"result": record["result"], "trigger": record["trigger"],
+                                            "diff": record["diff"] or "none", "error": record["error"] or "none",
+                                            "tuned": tuned}])
     assert command.agent is not None
     if name == "REGISTER":
         assert command.model is not None
@@ -215,7 +223,7 @@ class LineSession:
     async def run(self, command: lines.Command, cancel: threading.Event) -> str:
         """The full reply text for one command: its answer, or its error as one ERR line."""
         try:
-            job = asyncio.ensure_future(execute(self.daemon, command, cancel))
+            job = asyncio.ensure_future(execute(self.daemon, command, cancel, self))
             try:
                 await self.watch(job, cancel)
             except asyncio.CancelledError:  # the daemon is stopping: say so, then let the connection go
@@ -262,4 +270,9 @@ class LineSession:
 
 async def serve_lines(daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       initial: bytes) -> None:
-    await LineSession(daemon, reader, writer).serve(initial)
+    session = LineSession(daemon, reader, writer)
+    try:
+        await session.serve(initial)
+    finally:
+        if daemon.on_untune is not None:
+            daemon.on_untune(session)  # the engine settings it held with TUNE go back to the file's

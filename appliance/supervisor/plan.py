@@ -11,7 +11,7 @@ The rules, one per kind of change:
 * a loaded model whose file was replaced in place (same path, new content) is reloaded the same way;
 * the socket (path, mode, group) and the HTTP address (host, port) are rebound: the new listener first, then the
   old one closes;
-* ``device``, ``data_dir`` and ``engine.threads`` (the settings the schema marks not live) need a restart: the
+* ``device`` and ``data_dir`` (the settings the schema marks not live) need a restart: the
   reload applies everything else, keeps their running values, and says that these wait;
 * every other setting is read at use time, so it applies to the next request once the config is swapped.
 """

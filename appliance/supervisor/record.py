@@ -9,8 +9,9 @@ from typing import Any, Literal
 
 KEEP = 50
 
-Trigger = Literal["start", "file", "SIGHUP", "api", "benchmark"]
-"""What asked for a reload: ``benchmark`` is ``appliance benchmark --apply`` or the admin page's Apply advice."""
+Trigger = Literal["start", "file", "SIGHUP", "api", "benchmark", "tune"]
+"""What asked for a reload: ``benchmark`` is ``appliance benchmark --apply`` or the admin page's Apply advice,
+``tune`` a socket connection's ``TUNE`` (set, cleared, or let go when the connection closed)."""
 Result = Literal["applied", "unchanged", "invalid", "failed"]
 
 

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+logging.getLogger("watchfiles").setLevel(logging.WARNING)
+"""watchfiles logs every change it sees in the config's folder at INFO: a log file kept in that folder would
+then log a line per line it logged, forever."""
 
 MAX_HASHED_BYTES = 4 * 1024 * 1024  # a config is at most 1 MiB: anything beyond this is hashed by its stat only
 

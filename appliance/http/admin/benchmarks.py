@@ -397,11 +397,14 @@ async def start_run(request: Request) -> Response:
     try:
         fields = await render.form_fields(request)
         quick = fields.get("quick", "") not in ("", "0", "off")
-        run = await job_of(appliance).start(appliance.config_path, folder_of(appliance), quick=quick)
+        in_place = fields.get("in_place", "") not in ("", "0", "off")
+        socket = appliance.config.socket.path if in_place else None
+        run = await job_of(appliance).start(appliance.config_path, folder_of(appliance), quick=quick, socket=socket)
     except ApplianceError as error:
         return render.result("The benchmark did not start.", error)
     kind = "quick " if run.quick else ""
-    return render.result(f"Started a {kind}benchmark run; its result will be saved as {run.result_file}.")
+    where = " on this appliance in place" if run.in_place else ""
+    return render.result(f"Started a {kind}benchmark run{where}; its result will be saved as {run.result_file}.")
 
 
 async def result_page(request: Request) -> Response:

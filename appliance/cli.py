@@ -285,7 +285,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         bar = shown[mode]()
         running = None if args.socket is None else running_appliance(args)
         options = runner.Options(path, model=args.model, agents=args.agents, rounds=args.rounds, quick=args.quick,
-                                 seed=args.seed, running=running)
+                                 seed=args.seed, running=running, repeats=args.repeats)
         try:
             result = runner.run(options, bar)
             out = args.out or runner.results_folder(path) / runner.result_name(result["finished_at"])
@@ -655,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--agents", type=count, help="agents at once (default 4; --quick 2)")
     bench.add_argument("--quick", action="store_true", help="a short run: 2 agents x 3 rounds, 3 slack points, "
                                                             "1 and 2 threads")
+    bench.add_argument("--repeats", type=count, default=1, help="each session and sweep point this many times, "
+                       "fixed and adaptive alternating first; the medians are reported (default 1)")
     bench.add_argument("--seed", type=int, default=0, help="the workload's seed")
     bench.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     bench.add_argument("--out", type=Path, metavar="FILE", help="save the result here (default "

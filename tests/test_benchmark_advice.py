@@ -143,9 +143,11 @@ def sweep(*rows: tuple[float, float | None, int | None]) -> list[SlackPoint]:
         (sweep((2.0, 197.0, 160), (1.0, 200.0, 100), (1.5, 198.0, 130)), 1.0),  # order of the sweep is not kept
         (sweep((1.0, None, 100), (1.2, 201.0, 110), (1.5, 200.0, 130)), 1.2),  # no TTFT: skipped
         (sweep((1.0, 150.0, None), (1.2, 201.0, 110), (1.5, 200.0, 130)), 1.2),  # no peak memory: skipped
+        (sweep((1.0, 235.3, 185), (1.2, 304.8, 192), (1.5, 225.7, 179)), 1.5),  # a recorded noisy sweep
+        (sweep((1.0, 200.0, 120), (1.2, 201.0, 120), (1.5, 199.0, 130)), 1.0),  # equal memory: the smaller
     ],
     ids=["flat-smallest", "steep-largest", "knee-in-between", "on-the-5pct-boundary", "past-5pct",
-         "unsorted", "none-ttft-skipped", "none-memory-skipped"],
+         "unsorted", "none-ttft-skipped", "none-memory-skipped", "least-measured-memory", "memory-tie-smaller"],
 )
 def test_slack_knee(points: list[SlackPoint], expected: float) -> None:
     [recommendation] = slack_advice(points, CURRENT)

@@ -458,3 +458,22 @@ def test_a_benchmark_in_place_measures_the_running_appliance_and_leaves_it_as_it
     assert after["agents"] == before["agents"]  # its conversations are gone
     assert after["engine"]["adaptive"] == before["engine"]["adaptive"]
     assert after["config"]["sha256"] == before["config"]["sha256"]  # the file is untouched
+
+
+def test_repetitions_report_each_figures_median_and_none_when_one_failed() -> None:
+    runs = [dict.fromkeys(FIGURE_KEYS, 1.0), dict.fromkeys(FIGURE_KEYS, 3.0), dict.fromkeys(FIGURE_KEYS, 2.0)]
+    runs[0]["peak_memory_bytes"], runs[1]["peak_memory_bytes"], runs[2]["peak_memory_bytes"] = 100, 300, 201
+    medians = runner.median_figures(runs)
+    assert medians["ttft_avg_ms"] == 2.0 and medians["peak_memory_bytes"] == 201
+    assert runner.median_figures(runs[:2])["peak_memory_bytes"] == 200  # an even count: the mean of the middle two
+    runs[1]["tokens_per_s"] = None
+    assert runner.median_figures(runs)["tokens_per_s"] is None
+
+
+def test_a_runs_steps_count_every_round_of_every_repetition_and_each_thread_count(tmp_path: Path) -> None:
+    once = runner.scale_of(runner.Options(tmp_path / "a.yaml", quick=True), cores=2)
+    twice = runner.scale_of(runner.Options(tmp_path / "a.yaml", quick=True, repeats=2), cores=2)
+    assert once.steps == 2 * 3 + 3 * 3 + 2
+    assert twice.steps == 2 * (2 * 3 + 3 * 3) + 2
+    full = runner.scale_of(runner.Options(tmp_path / "a.yaml"), cores=16)
+    assert (full.agents, full.rounds, full.sweep_rounds) == (4, 20, 10) and full.thread_counts == tuple(range(1, 9))

@@ -246,15 +246,16 @@ def preset_advice(name: str, current: Mapping[str, Any]) -> list[Recommendation]
 
 
 def slack_advice(points: Iterable[SlackPoint], current: Mapping[str, Any]) -> list[Recommendation]:
-    """``engine.hot_pool_slack`` at the sweep's knee: the smallest slack whose TTFT average is within
-    :data:`SLACK_TOLERANCE` of the sweep's best (the pool's memory grows with slack). Points without a TTFT
-    average or a peak memory are skipped; fewer than two usable points advise nothing."""
+    """``engine.hot_pool_slack`` at the sweep's knee: of the slacks whose TTFT average is within
+    :data:`SLACK_TOLERANCE` of the sweep's best, the one with the least measured peak memory (the smaller slack on
+    a tie: the pool grows with slack, but on a noisy box the measured peak need not). Points without a TTFT average
+    or a peak memory are skipped; fewer than two usable points advise nothing."""
     usable = sorted((point for point in points if _slack_usable(point)), key=_slack_of)
     if len(usable) < 2:
         return []
     best = min(usable, key=_ttft_of)
     limit = best.ttft_avg_ms * (1 + SLACK_TOLERANCE)
-    knee = next(point for point in usable if point.ttft_avg_ms <= limit)
+    knee = min((point for point in usable if point.ttft_avg_ms <= limit), key=_memory_then_slack)
     largest = usable[-1]
     saved = largest.peak_memory_bytes - knee.peak_memory_bytes
     if knee is largest:
@@ -268,6 +269,11 @@ def slack_advice(points: Iterable[SlackPoint], current: Mapping[str, Any]) -> li
     reason = (f"TTFT avg {knee.ttft_avg_ms:.0f} ms at {knee.slack:g}, within {SLACK_TOLERANCE:.0%} of the sweep's "
               f"best ({best.ttft_avg_ms:.0f} ms at {best.slack:g}) with {memory}; {len(usable)} slacks measured")
     return [Recommendation(SLACK_KEY, knee.slack, current.get(SLACK_KEY), reason)]
+
+
+def _memory_then_slack(point: SlackPoint) -> tuple[int, float]:
+    assert point.peak_memory_bytes is not None
+    return point.peak_memory_bytes, point.slack
 
 
 def thread_advice(curve: Iterable[ThreadPoint], cores: int, current: Mapping[str, Any]) -> list[Recommendation]:

@@ -28,7 +28,9 @@ def change(gain: float | None) -> str:
 def table_lines(result: Mapping[str, Any]) -> list[str]:
     """The seed's table: one row per figure, fixed / adaptive / improvement (positive = adaptive better)."""
     table = result["table"]
-    lines = [f"{'figure':<20} {'fixed':>10} {'adaptive':>10} {'adaptive better by':>19}"]
+    repeats = result.get("repeats", 1)
+    lines = [f"{'figure':<20} {'fixed':>10} {'adaptive':>10} {'adaptive better by':>19}"
+             + (f"  (medians of {repeats} runs each)" if repeats > 1 else "")]
     for key, label, scale, spec in ROWS:
         lines.append(f"{label:<20} {shown(table['fixed'][key], scale, spec):>10} "
                      f"{shown(table['adaptive'][key], scale, spec):>10} {change(table['improvement'][key]):>19}")
@@ -68,6 +70,11 @@ def advice_lines(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def median_note(result: Mapping[str, Any]) -> str:
+    repeats = result.get("repeats", 1)
+    return f", medians of {repeats} runs" if repeats > 1 else ""
+
+
 def headline(result: Mapping[str, Any]) -> str:
     gain = result["table"]["improvement"]
     model = result["model"]
@@ -75,8 +82,9 @@ def headline(result: Mapping[str, Any]) -> str:
     applicable = [entry for entry in result["advice"] if entry["key"] is not None and
                   entry["value"] != entry["current"]]
     text = (f"HEADLINE: appliance benchmark ({model['name']}, {workload['agents']} agents x {workload['rounds']} "
-            f"rounds) adaptive vs fixed: TTFT avg {change(gain['ttft_avg_ms'])}, P99 {change(gain['ttft_p99_ms'])}, "
-            f"tokens/s {change(gain['tokens_per_s'])}, peak memory {change(gain['peak_memory_bytes'])} "
+            f"rounds{median_note(result)}) adaptive vs fixed: TTFT avg {change(gain['ttft_avg_ms'])}, "
+            f"P99 {change(gain['ttft_p99_ms'])}, tokens/s {change(gain['tokens_per_s'])}, "
+            f"peak memory {change(gain['peak_memory_bytes'])} "
             f"(+ = adaptive better); device class {result['device_class']['name']}; {len(applicable)} setting(s) "
             f"to change")
     if not result["complete"]:

@@ -90,6 +90,7 @@ class Options:
     quick: bool = False
     seed: int = 0
     running: RunningAppliance | None = None  # --socket: measure this appliance in place
+    repeats: int = 1  # each session and sweep point this many times, the medians reported
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,13 @@ class Scale:
     thread_counts: tuple[int, ...]
     decode_tokens: int
     decode_repeats: int
+    repeats: int = 1
 
     @property
     def steps(self) -> int:
-        """Progress steps: every round of the two strategies and of the sweep, and every thread count."""
-        return 2 * self.rounds + len(self.slacks) * self.sweep_rounds + len(self.thread_counts)
+        """Progress steps: every round of the two strategies and of the sweep (each repetition), and every thread
+        count."""
+        return self.repeats * (2 * self.rounds + len(self.slacks) * self.sweep_rounds) + len(self.thread_counts)
 
 
 def scale_of(options: Options, cores: int) -> Scale:
@@ -116,11 +119,11 @@ def scale_of(options: Options, cores: int) -> Scale:
     if options.quick:
         agents = options.agents or 2
         rounds = options.rounds or 3
-        return Scale(agents, rounds, QUICK_SLACKS, rounds, tuple(sorted({1, min(2, cores)})), 32, 1)
+        return Scale(agents, rounds, QUICK_SLACKS, rounds, tuple(sorted({1, min(2, cores)})), 32, 1, options.repeats)
     agents = options.agents or 4
     rounds = options.rounds or 20
     counts = tuple(range(1, min(cores, MAX_THREAD_POINTS) + 1))
-    return Scale(agents, rounds, FULL_SLACKS, max(4, rounds // 2), counts, 64, 3)
+    return Scale(agents, rounds, FULL_SLACKS, max(4, rounds // 2), counts, 64, 3, options.repeats)
 
 
 def configured(path: Path) -> Config:
@@ -265,6 +268,19 @@ def run_measured_session(place: Place, model: ModelConfig, engine: Mapping[str, 
                       errors, device)
 
 
+def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repetitions; None when a repetition lacks it (a failed run)."""
+    out: dict[str, Any] = {}
+    for key in FIGURE_KEYS:
+        values = [run[key] for run in runs]
+        if any(value is None for value in values):
+            out[key] = None
+            continue
+        middle = statistics.median(values)
+        out[key] = round(middle) if key.endswith("_bytes") else middle
+    return out
+
+
 def decode_tokens_per_s(served: Served, tokens: int, repeats: int) -> float | None:
     """The median decode speed of a greedy ``tokens``-token stream (first token to last), or None when the model
     stopped before two tokens."""
@@ -360,18 +376,30 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
     workload = session_workload(scale.agents, scale.rounds, options.seed)
     fixed = fixed_strategy(model.n_ctx)
     progress.start(scale.steps)
-    fixed_run = run_measured_session(place, model, fixed.engine, workload, progress, "fixed")
     adaptive_engine = {"adaptive": True}
-    adaptive_run = run_measured_session(place, model, adaptive_engine, workload, progress, "adaptive")
+    strategies = {"fixed": fixed.engine, "adaptive": adaptive_engine}
+    runs: dict[str, list[SessionRun]] = {"fixed": [], "adaptive": []}
+    for repeat in range(scale.repeats):
+        order = ["fixed", "adaptive"] if repeat % 2 == 0 else ["adaptive", "fixed"]  # neither always goes first
+        for name in order:
+            label = name if scale.repeats == 1 else f"{name} {repeat + 1}/{scale.repeats}"
+            runs[name].append(run_measured_session(place, model, strategies[name], workload, progress, label))
+    fixed_figures = median_figures([run.figures for run in runs["fixed"]])
+    adaptive_figures = median_figures([run.figures for run in runs["adaptive"]])
 
     sweep = []
     sweep_errors: list[str] = []
     sweep_workload = session_workload(scale.agents, scale.sweep_rounds, options.seed + 1)
     for slack in scale.slacks:
         engine = {"adaptive": True, "hot_pool_slack": slack, "adaptive_sample_rate": SWEEP_SAMPLE_RATE}
-        point = run_measured_session(place, model, engine, sweep_workload, progress, f"slack {slack}")
-        sweep_errors.extend(point.errors)
-        sweep.append({"slack": slack, **{key: point.figures[key] for key in SWEEP_KEYS}})
+        points = []
+        for repeat in range(scale.repeats):
+            label = f"slack {slack}" if scale.repeats == 1 else f"slack {slack} {repeat + 1}/{scale.repeats}"
+            point = run_measured_session(place, model, engine, sweep_workload, progress, label)
+            sweep_errors.extend(point.errors)
+            points.append(point.figures)
+        medians = median_figures(points)
+        sweep.append({"slack": slack, **{key: medians[key] for key in SWEEP_KEYS}})
 
     curve = []
     for threads in scale.thread_counts:
@@ -382,17 +410,18 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
             curve.append({"threads": threads, "tokens_per_s": rate})
 
     models, skipped = footprints(config)
-    device_kind, device_total = adaptive_run.device
+    device_kind, device_total = runs["adaptive"][0].device
     machine = advice.Machine(cores=cores, memory_bytes=physical_memory(), device_kind=device_kind,
                              device_total_bytes=device_total)
     measurements = advice.Measurements(
-        machine=machine, tokens_per_s=adaptive_run.figures["tokens_per_s"],
+        machine=machine, tokens_per_s=adaptive_figures["tokens_per_s"],
         slack_sweep=tuple(advice.SlackPoint(**point) for point in sweep),
         thread_curve=tuple(advice.ThreadPoint(**point) for point in curve),
-        max_in_flight=adaptive_run.in_flight, models=tuple(models), max_connections=config.max_connections,
+        max_in_flight=max(run.in_flight for run in runs["adaptive"]), models=tuple(models),
+        max_connections=config.max_connections,
         current=advice.current_settings(config))
     device_class, recommendations = advice.advise(measurements)
-    errors = fixed_run.errors + adaptive_run.errors + sweep_errors
+    errors = [error for name in ("fixed", "adaptive") for run in runs[name] for error in run.errors] + sweep_errors
     footprint = next((m for m in models if m.name == model.name), None)
     result = {
         "benchmark": NAME,
@@ -411,13 +440,14 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         "strategies": {"fixed": {"label": fixed.label, "engine": fixed.engine},
                        "adaptive": {"label": "engine.adaptive true, the config's other engine settings",
                                     "engine": adaptive_engine}},
-        "table": comparison(fixed_run.figures, adaptive_run.figures),
-        "rounds": {"fixed": fixed_run.rounds, "adaptive": adaptive_run.rounds},
+        "repeats": scale.repeats,
+        "table": comparison(fixed_figures, adaptive_figures),
+        "rounds": {name: runs[name][0].rounds for name in ("fixed", "adaptive")},  # the first repetition
         "slack_sweep": sweep,
         "sweep": {"rounds": scale.sweep_rounds, "adaptive_sample_rate": SWEEP_SAMPLE_RATE},
         "thread_curve": curve,
         "decode": {"tokens": scale.decode_tokens, "repeats": scale.decode_repeats},
-        "concurrency": {"max_in_flight": adaptive_run.in_flight, "models_in_use": 1},
+        "concurrency": {"max_in_flight": max(run.in_flight for run in runs["adaptive"]), "models_in_use": 1},
         "models_skipped": skipped,
         "device_class": {"name": device_class[0], "reason": device_class[1]},
         "advice": [recommendation.to_dict() for recommendation in recommendations],

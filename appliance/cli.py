@@ -17,13 +17,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.client import lines as lineclient
 from appliance.daemon import registry
 from appliance.errors import STARTUP_EXIT_CODES, ApplianceError, StartupError
 from appliance.protocol.lines import parse_fields
+
+if TYPE_CHECKING:
+    from appliance.benchmark.inplace import RunningAppliance
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +307,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     return 0 if result["complete"] else EXIT_FAILED
 
 
-def running_appliance(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def running_appliance(args: argparse.Namespace) -> RunningAppliance:
     """``benchmark --socket``: the running appliance to measure in place (its socket, HTTP address, process)."""
     from appliance.benchmark.inplace import RunningAppliance
 

@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import os
 import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -77,6 +76,7 @@ from appliance.benchmark.session import (
     figures,
     fixed_strategy,
     improvement,
+    median_figures,
     phase_shift_workload,
     run_session,
     session_workload,
@@ -165,19 +165,14 @@ def measure(model: Path, strategy: Strategy, workload: Workload, repeat: int) ->
 # -- the report ----------------------------------------------------------------------------------------------------
 
 
-def median_figures(runs: Sequence[dict[str, Any]], phase: str | None) -> dict[str, float | None]:
+def phase_medians(runs: Sequence[dict[str, Any]], phase: str | None) -> dict[str, Any]:
     """Each figure's median over the repetitions (of one phase, or of the whole run)."""
-    out: dict[str, float | None] = {}
-    for key in FIGURE_KEYS:
-        values = [(run["figures"] if phase is None else run["phases"][phase])[key] for run in runs]
-        present = [v for v in values if v is not None]
-        out[key] = statistics.median(present) if present and len(present) == len(values) else None
-    return out
+    return median_figures([run["figures"] if phase is None else run["phases"][phase] for run in runs])
 
 
 def compare(runs: Sequence[dict[str, Any]], workload: str) -> dict[str, Any]:
-    fixed = median_figures([r for r in runs if r["workload"] == workload and r["strategy"] == "fixed"], None)
-    adaptive = median_figures([r for r in runs if r["workload"] == workload and r["strategy"] == "adaptive"], None)
+    fixed = phase_medians([r for r in runs if r["workload"] == workload and r["strategy"] == "fixed"], None)
+    adaptive = phase_medians([r for r in runs if r["workload"] == workload and r["strategy"] == "adaptive"], None)
     return {"fixed": fixed, "adaptive": adaptive,
             "improvement": {key: improvement(key, fixed[key], adaptive[key]) for key in FIGURE_KEYS}}
 
@@ -238,7 +233,7 @@ def grid_report(runs: Sequence[dict[str, Any]], grid: Sequence[Strategy], reused
         for strategy in grid:
             source = reused.get(strategy.name, strategy.name)
             chosen = [r for r in runs if r["workload"] == "phase_shift" and r["strategy"] == source]
-            table[strategy.name] = median_figures(chosen, phase.name)
+            table[strategy.name] = phase_medians(chosen, phase.name)
         by_phase[phase.name] = table
         rated = {name: f["tokens_per_s"] for name, f in table.items() if f["tokens_per_s"] is not None}
         if not rated:
@@ -247,7 +242,7 @@ def grid_report(runs: Sequence[dict[str, Any]], grid: Sequence[Strategy], reused
             continue
         top = max(rated, key=rated.__getitem__)
         best[phase.name] = {"strategy": top, "tokens_per_s": rated[top]}
-        ours = median_figures(adaptive_runs, phase.name)["tokens_per_s"]
+        ours = phase_medians(adaptive_runs, phase.name)["tokens_per_s"]
         adaptive_vs_best[phase.name] = None if ours is None else ours / rated[top]
     return {"configs": {s.name: {"label": s.label, "engine": s.engine, "n_ctx": s.n_ctx,
                                  "reuses": reused.get(s.name)} for s in grid},

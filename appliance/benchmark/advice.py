@@ -338,7 +338,7 @@ def contexts_advice(
     together; else how many fit together, smallest footprints first (at least 1). No models advise nothing."""
     if not models:
         return []
-    now = _file_value(current.get(CONTEXTS_KEY))
+    now = file_value(current.get(CONTEXTS_KEY))
     budget = _device_budget(machine)
     total = sum(model.total_bytes for model in models)
     need = f"the {len(models)} models need {_size_text(total)} together"
@@ -419,7 +419,7 @@ def current_settings(config: Any) -> dict[str, Any]:
     values = {}
     for key in ADVISED_KEYS:
         section, _, name = key.partition(".")
-        values[key] = _file_value(getattr(getattr(config, section), name))
+        values[key] = file_value(getattr(getattr(config, section), name))
     return values
 
 
@@ -454,7 +454,7 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-def _file_value(value: Any) -> Any:
+def file_value(value: Any) -> Any:
     """A config value as the file spells it: None (``live_contexts: auto``) as "auto", tuples as lists."""
     if value is None:
         return AUTO

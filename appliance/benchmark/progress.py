@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from tqdm import tqdm
 
@@ -44,6 +44,16 @@ def parse_progress(line: str) -> Step | None:
 
 def progress_line(step: Step) -> str:
     return f"{WORD} {step.done} {step.total} {step.label}".rstrip()
+
+
+class Progress(Protocol):
+    """Where the run tells how far it is: ``start`` once with the number of steps, ``advance`` after each."""
+
+    def start(self, total: int) -> None: ...
+
+    def advance(self, label: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class LineProgress:

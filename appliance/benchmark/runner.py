@@ -26,6 +26,7 @@ import yaml
 from appliance.app import ensure_demo_models
 from appliance.benchmark import advice, inplace, report
 from appliance.benchmark.inplace import RunningAppliance
+from appliance.benchmark.progress import Progress
 from appliance.benchmark.servers import appliance_process, free_port, state_folder
 from appliance.benchmark.session import (
     DOCUMENT_PHASE_INPUT,
@@ -42,6 +43,7 @@ from appliance.benchmark.session import (
     fixed_strategy,
     improvement,
     max_in_flight,
+    median_figures,
     round_figures,
     run_session,
     session_workload,
@@ -53,7 +55,7 @@ from appliance.daemon.adaptive import usable_cores
 from appliance.daemon.core import physical_memory
 from appliance.engine.gguf_meta import estimate, read_model_shape
 from appliance.errors import ApplianceError
-from appliance.protocol.lines import parse_reply
+from appliance.protocol.lines import parse_fields, parse_reply
 
 NAME = "appliance_benchmark"
 NEEDED_N_CTX = DOCUMENT_PHASE_INPUT[1] + LONG_OUTPUT + ROLLOVER_MARGIN
@@ -69,16 +71,6 @@ SWEEP_SAMPLE_RATE = 1
 
 class BenchmarkError(Exception):
     """The run cannot go on: a one-line reason for the operator."""
-
-
-class Progress(Protocol):
-    """Where the run tells how far it is: ``start`` once with the number of steps, ``advance`` after each."""
-
-    def start(self, total: int) -> None: ...
-
-    def advance(self, label: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -149,12 +141,8 @@ def chosen_model(config: Config, name: str | None) -> ModelConfig:
 
 
 def engine_settings(config: Config) -> dict[str, Any]:
-    """The operator's ``engine:`` section as config text values."""
-    values = dataclasses.asdict(config.engine)
-    values["live_contexts"] = "auto" if config.engine.live_contexts is None else config.engine.live_contexts
-    values["thread_idle_thresholds"] = list(config.engine.thread_idle_thresholds)
-    values["plan_boundaries"] = list(config.engine.plan_boundaries)
-    return values
+    """The operator's ``engine:`` section as the file spells it."""
+    return {name: advice.file_value(value) for name, value in dataclasses.asdict(config.engine).items()}
 
 
 def child_config(config: Config, model: ModelConfig, state: Path, port: int, engine: Mapping[str, Any]) -> str:
@@ -268,19 +256,6 @@ def run_measured_session(place: Place, model: ModelConfig, engine: Mapping[str, 
                       errors, device)
 
 
-def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each figure's median over the repetitions; None when a repetition lacks it (a failed run)."""
-    out: dict[str, Any] = {}
-    for key in FIGURE_KEYS:
-        values = [run[key] for run in runs]
-        if any(value is None for value in values):
-            out[key] = None
-            continue
-        middle = statistics.median(values)
-        out[key] = round(middle) if key.endswith("_bytes") else middle
-    return out
-
-
 def decode_tokens_per_s(served: Served, tokens: int, repeats: int) -> float | None:
     """The median decode speed of a greedy ``tokens``-token stream (first token to last), or None when the model
     stopped before two tokens."""
@@ -315,7 +290,7 @@ def device_of(served: Served) -> tuple[str, int]:
     for line in (reply.body or "").splitlines():
         kind, _, rest = line.partition(" ")
         if kind == "device":
-            fields = dict(part.split("=", 1) for part in rest.split() if "=" in part)
+            fields = parse_fields(rest)
             return fields.get("kind", "unknown"), int(fields["total_bytes"])
     raise BenchmarkError("STATUS has no device record")
 
@@ -386,6 +361,7 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
             runs[name].append(run_measured_session(place, model, strategies[name], workload, progress, label))
     fixed_figures = median_figures([run.figures for run in runs["fixed"]])
     adaptive_figures = median_figures([run.figures for run in runs["adaptive"]])
+    in_flight = max(run.in_flight for run in runs["adaptive"])
 
     sweep = []
     sweep_errors: list[str] = []
@@ -417,7 +393,7 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         machine=machine, tokens_per_s=adaptive_figures["tokens_per_s"],
         slack_sweep=tuple(advice.SlackPoint(**point) for point in sweep),
         thread_curve=tuple(advice.ThreadPoint(**point) for point in curve),
-        max_in_flight=max(run.in_flight for run in runs["adaptive"]), models=tuple(models),
+        max_in_flight=in_flight, models=tuple(models),
         max_connections=config.max_connections,
         current=advice.current_settings(config))
     device_class, recommendations = advice.advise(measurements)
@@ -447,7 +423,7 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         "sweep": {"rounds": scale.sweep_rounds, "adaptive_sample_rate": SWEEP_SAMPLE_RATE},
         "thread_curve": curve,
         "decode": {"tokens": scale.decode_tokens, "repeats": scale.decode_repeats},
-        "concurrency": {"max_in_flight": max(run.in_flight for run in runs["adaptive"]), "models_in_use": 1},
+        "concurrency": {"max_in_flight": in_flight, "models_in_use": 1},
         "models_skipped": skipped,
         "device_class": {"name": device_class[0], "reason": device_class[1]},
         "advice": [recommendation.to_dict() for recommendation in recommendations],

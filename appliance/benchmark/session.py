@@ -448,6 +448,20 @@ GROWTH_FLOOR_BYTES = 2**20
 """Below this memory growth of the fixed run, a relative improvement means nothing: none is given."""
 
 
+def median_figures(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repetitions' figures; None when there is none or a repetition lacks it (a
+    failed run). Bytes stay whole numbers."""
+    out: dict[str, Any] = {}
+    for key in FIGURE_KEYS:
+        values = [run[key] for run in runs]
+        if not values or any(value is None for value in values):
+            out[key] = None
+            continue
+        middle = statistics.median(values)
+        out[key] = round(middle) if key.endswith("_bytes") else middle
+    return out
+
+
 def improvement(key: str, fixed: float | None, adaptive: float | None) -> float | None:
     """How much better adaptive is than fixed (a fraction; positive = better): lower for times and memory, higher
     for tokens/s."""

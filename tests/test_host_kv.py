@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,38 @@ def test_a_zero_budget_keeps_no_parked_state_and_decodes_go_on(tmp_path: Path) -
                     assert daemon.snapshot()["host_kv"]["parked_bytes"] == 0
             assert texts == {"a": fresh_text("Agenta", 12), "b": fresh_text("Agentb", 12)}
             assert daemon.counters["host_kv_drops"] == 5 and daemon.counters["kv_restores"] == 0
+        finally:
+            await daemon.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_cold_request_returns_only_once_its_parked_state_fits_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request longer than the hot pool runs in a cold context; when it ends its conversation is parked beside
+    the others and the budget is fitted by an engine job. The decode returns after that job, so that no reader
+    (STATUS, health, the next request) sees parked state over the budget: here the job is slowed down."""
+    config = make_config(tmp_path, host_kv_budget=0, engine={"live_slots": 1, "warmup_runs": 0},
+                         models=[{"name": "m", "path": str(tmp_path / "m.gguf"), "vram_bytes": "1GiB",
+                                  "n_ctx": 2048}])
+    daemon = Daemon(config, FakeDevice("8GiB", process_used=0), FakeEngine(), clock=ManualClock())
+    fit = Daemon.fit_host_kv
+
+    def slow_fit(self: Daemon) -> list[str]:
+        time.sleep(0.3)
+        return fit(self)
+
+    monkeypatch.setattr(Daemon, "fit_host_kv", slow_fit)
+
+    async def main() -> None:
+        try:
+            await daemon.register("long", "m")
+            result = await daemon.decode("long", 4, "x" * 1200)  # past the 512-cell hot pool: cold
+            assert result.plan == "L" and daemon.adaptive.colds == 1
+            assert daemon.snapshot()["host_kv"]["parked_bytes"] == 0
+            assert daemon.counters["host_kv_drops"] == 1
+            again = await daemon.decode("long", 4, "")  # re-evaluated from its tokens: the same text
+            assert again.rebuilt and again.generation.text == fresh_text("x" * 1200, 8)[4:]
         finally:
             await daemon.close()
 

@@ -342,17 +342,20 @@ class AdaptiveLoop:
         self.colds += 1
         log.info("model %s: cold context of %d cells for a long request (%d bytes)", model.key, cells, nbytes)
 
-    def close_cold(self, model: Model) -> None:
+    def close_cold(self, model: Model) -> asyncio.Future[Any]:
         """The cold request ended (its context was freed in the step that ended it) or never started (its context
-        is freed by an engine job queued now): release its bytes."""
+        is freed by an engine job queued now): release its bytes. Returns the engine job that then fits the host
+        KV budget (the cold conversation was parked beside the others): the caller awaits it before replying, so
+        that no reader sees parked state over the budget."""
         runtime = model.runtime
         if runtime is not None and runtime.cold_cells:
             job = self.daemon.engine.submit(runtime.close_cold, queue=("tune", model.key))
             asyncio.ensure_future(job).add_done_callback(log_failure)
         self.daemon.ledger.release(cold_key(model.key))
         model.cold_bytes = 0
-        job = self.daemon.engine.submit(self.daemon.fit_host_kv, queue=("tune", model.key))  # it parked its own
-        asyncio.ensure_future(job).add_done_callback(self._count_drops)
+        job = asyncio.ensure_future(self.daemon.engine.submit(self.daemon.fit_host_kv, queue=("tune", model.key)))
+        job.add_done_callback(self._count_drops)
+        return job
 
     def _count_drops(self, job: asyncio.Future[Any]) -> None:
         log_failure(job)

@@ -804,9 +804,10 @@ class Daemon:
                     await ended
             raise
         finally:
+            fitted = None
             if cold_held:
                 if request is None or request.done:  # else its step frees the cold context: released just below
-                    self.adaptive.close_cold(model)
+                    fitted = self.adaptive.close_cold(model)
                 model.cold_lock.release()
             self._running.discard(cancel)
             model.inflight -= 1
@@ -814,6 +815,9 @@ class Daemon:
             if model.active == 0:
                 self._context_idle()
             model.last_used = self.clock()
+            if fitted is not None:  # the parked cold conversation fits the host budget before the reply
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(fitted)
             self.counters["host_kv_drops"] += len(dropped)
             self.counters["kv_swap_bytes"] += int(moved["swap_bytes"])
             self.counters["kv_restore_bytes"] += int(moved["restore_bytes"])

@@ -25,6 +25,7 @@ from appliance.config.validate import Config, load_config
 from appliance.daemon import policy, registry
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import MemoryDevice, open_device
+from appliance.engine.adaptive import Tuner
 from appliance.engine.interface import EngineProtocol
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.app import HttpServer, create_app
@@ -208,6 +209,7 @@ class Appliance:
         self.reloader: Reloader | None = None
         self.benchmark_job = BenchmarkJob()  # the admin page's benchmark run, one at a time
         self.tunings: dict[int, dict[str, Any]] = {}  # TUNE: engine settings held by socket connections, by id
+        self.kept_tuners: dict[str, Tuner | None] | None = None  # the tuners as they were before the first TUNE
         self._device = device
         self._engine_factory = engine_factory
         self._http_enabled = http
@@ -584,16 +586,35 @@ class Appliance:
         assert self.reloader is not None
         values = tune.engine_values(settings)
         if values:
+            if not self.tunings and self.daemon is not None:
+                self.kept_tuners = self.daemon.adaptive.keep_tuners()
             self.tunings[id(owner)] = values
         else:
             self.tunings.pop(id(owner), None)
         record = await self.reloader.reload("tune")
+        await self._restore_tuners()
         return record.to_dict()
 
     def _untune(self, owner: object) -> None:
-        """A connection closed: the engine settings it held go back to the file's (a reload, soon)."""
-        if self.tunings.pop(id(owner), None) is not None and self.reloader is not None:
-            self.reloader.request("tune")
+        """A connection closed: the engine settings it held go back to the file's (a reload, now)."""
+        held = self.tunings.pop(id(owner), None)
+        if held is None or self.daemon is None or self.daemon.closing:
+            return
+        self.daemon.background(asyncio.get_running_loop().create_task(self._let_go()))
+
+    async def _let_go(self) -> None:
+        if self.reloader is None:
+            return
+        await self.reloader.reload("tune")
+        await self._restore_tuners()
+
+    async def _restore_tuners(self) -> None:
+        """Once no connection holds engine settings, the models' load profiles and contexts go back to what they
+        were before the first TUNE (the held settings' load leaves nothing behind)."""
+        if self.tunings or self.kept_tuners is None or self.daemon is None:
+            return
+        kept, self.kept_tuners = self.kept_tuners, None
+        await self.daemon.adaptive.restore_tuners(kept)
 
     def _on_reload_signal(self) -> None:
         if self.reloader is None:

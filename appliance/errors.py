@@ -39,6 +39,7 @@ _KINDS = [
     ErrorKind("OOM", 507, True, "the device ran out of memory"),
     ErrorKind("MODEL_LOAD_FAILED", 500, False, "the model file could not be loaded"),
     ErrorKind("MODEL_BUSY", 409, True, "the model is in use and cannot be changed now"),
+    ErrorKind("BENCHMARK_RUNNING", 409, True, "a benchmark is already running: one at a time"),
     ErrorKind("CANCELLED", 499, False, "the task was cancelled"),
     ErrorKind("SHUTTING_DOWN", 503, True, "the daemon is stopping"),
     ErrorKind("CONFIG_INVALID", 400, False, "the configuration file is invalid"),

@@ -57,6 +57,16 @@ def gated_real_engine(config: Config) -> GatedEngine:
     return GatedEngine(Engine(config.engine.threads or None))
 
 
+async def adaptive_idle(daemon: Any) -> None:
+    """Return once the adaptive engine does nothing: no warm-up runs and no retune in progress, so the ledger's keys
+    and the live contexts stay as they are until the next request."""
+    while True:
+        retuning = [m for m in daemon.models.values() if m.retuning is not None and not m.retuning.done()]
+        if not retuning and not daemon.adaptive.warming and not daemon.adaptive.tasks:
+            return
+        await asyncio.sleep(0.02)
+
+
 class Running:
     def __init__(self, appliance: Appliance, loop: asyncio.AbstractEventLoop) -> None:
         self.appliance = appliance
@@ -80,6 +90,10 @@ class Running:
 
     def line(self, text: str, timeout: float = 120) -> str:
         return lineclient.request(self.socket, text, timeout)
+
+    def settle(self, timeout: float = 60) -> None:
+        """Wait until the adaptive engine is idle (:func:`adaptive_idle`)."""
+        self.call(adaptive_idle(self.daemon), timeout)
 
     @property
     def config_file(self) -> Path:

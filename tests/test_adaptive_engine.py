@@ -267,3 +267,53 @@ def test_a_shrinking_pool_parks_the_least_recently_used_within_the_host_budget(t
             await daemon.close()
 
     asyncio.run(scenario())
+
+
+def test_a_reload_during_a_retune_is_retuned_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fake engine: new engine settings arrive while a retune of the model is in progress (it decided under
+    the old ones); the retune they ask for runs once that one ends, instead of being lost until the next sample."""
+    from appliance.daemon.adaptive import AdaptiveLoop
+    from appliance.engine.fake import FakeEngine, ManualClock
+
+    def config_of(adaptive: bool) -> object:
+        doc = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tmp_path)],
+               "resync_interval_s": 0, "engine": {"warmup_runs": 0, "live_slots": 1, "adaptive": adaptive},
+               "models": [{"name": "m", "path": str(tmp_path / "m.gguf"), "vram_bytes": "1GiB", "n_ctx": 2048}]}
+        return parse_config(yaml.safe_dump(doc), base_dir=tmp_path, check_files=False)
+
+    retune = AdaptiveLoop._retune
+    released = asyncio.Event()
+    decided: list[bool] = []
+
+    async def slow_retune(loop: AdaptiveLoop, model: object, threads_only: bool) -> None:
+        await retune(loop, model, threads_only)  # type: ignore[arg-type]
+        decided.append(loop.daemon.config.engine.adaptive)
+        if len(decided) == 1:
+            await released.wait()  # still in progress when the reload comes
+
+    monkeypatch.setattr(AdaptiveLoop, "_retune", slow_retune)
+
+    async def scenario() -> None:
+        daemon = Daemon(config_of(True), FakeDevice("8GiB", process_used=0), FakeEngine(), clock=ManualClock())
+        try:
+            await daemon.register("a", "m")
+            await daemon.decode("a", 4, "hello")
+            model = daemon.models["m"]
+            await asyncio.sleep(0.1)
+            assert model.runtime.tuning.plan != FIXED and not decided
+            daemon.adaptive.schedule(model)
+            while not decided:
+                await asyncio.sleep(0.01)
+            daemon.apply_config(config_of(False))  # the fixed strategy: asks for a retune while one runs
+            assert model.runtime.tuning.plan != FIXED
+            released.set()
+            for _ in range(500):
+                if model.runtime.tuning.plan == FIXED:
+                    break
+                await asyncio.sleep(0.01)
+            assert decided == [True, False]
+            assert (model.runtime.tuning.plan, model.runtime.pool_cells) == (FIXED, 2048)
+        finally:
+            await daemon.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

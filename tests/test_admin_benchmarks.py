@@ -449,7 +449,7 @@ def test_a_run_shows_its_progress_refuses_a_second_start_then_links_its_result(
     assert 'data-state="running"' in page
 
     second = post(app, "/admin/benchmarks/run", {"quick": "on"})
-    assert second.headers["x-appliance-outcome"] == "MODEL_BUSY" and "already running" in second.text
+    assert second.headers["x-appliance-outcome"] == "BENCHMARK_RUNNING" and "already running" in second.text
     assert len(stand_in.calls) == 1
 
     stand_in.gate.touch()

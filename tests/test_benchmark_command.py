@@ -405,12 +405,20 @@ def test_tune_holds_settings_while_its_connection_lasts_and_lets_go_when_it_clos
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], watch=True) as app:
         assert app.line("REGISTER a tiny").startswith("OK")
         assert "plan=S threads=" in app.line("DECODE a 2 hello")  # adaptive: the file's default
+        for _ in range(3):
+            app.line("DECODE a 2 and")
+        app.settle()  # the retunes those requests asked for are done
+        profile = app.daemon.profiles()["tiny"]
+        pool = (context_of(app, "tiny")["pool_cells"], context_of(app, "tiny")["plan"])
         control = Control(app.socket)
         control.tune({"adaptive": False, "threads": 1})
         assert app.appliance.config_report()["tuned"] == {"engine.adaptive": False, "engine.threads": 1}
         wait_for(lambda: (context_of(app, "tiny")["plan"], context_of(app, "tiny")["threads"]) == ("fixed", 1),
                  "the context is rebuilt with the fixed strategy and one thread")
         assert "plan=fixed threads=1" in app.line("DECODE a 2")
+        for _ in range(3):
+            app.line("DECODE a 2 more")
+        assert app.daemon.profiles()["tiny"] != profile  # the held settings' load is profiled meanwhile
         # a file reload meanwhile keeps what the connection holds
         app.edit(app.config_file.read_text().replace("resync_interval_s: 0", "resync_interval_s: 9"))
         assert app.reload().result == "applied"
@@ -421,6 +429,9 @@ def test_tune_holds_settings_while_its_connection_lasts_and_lets_go_when_it_clos
         control.close()
         wait_for(lambda: "tuned" not in app.appliance.config_report(), "the settings are let go")
         wait_for(lambda: context_of(app, "tiny")["plan"] != "fixed", "the context goes adaptive again")
+        wait_for(lambda: app.daemon.profiles()["tiny"] == profile, "the profile is back as it was")
+        wait_for(lambda: (context_of(app, "tiny")["pool_cells"], context_of(app, "tiny")["plan"]) == pool,
+                 "the context is back to its own profile's pool and plan")
         assert app.daemon.config.engine.threads == 0 and app.daemon.config.resync_interval_s == 9
         triggers = [record["trigger"] for record in app.appliance.reload_history()]
         assert triggers[-1] == "tune" and triggers.count("tune") == 2
@@ -442,7 +453,13 @@ def test_a_reload_applies_engine_threads_to_the_live_context(tiny_model: Path) -
 def test_a_benchmark_in_place_measures_the_running_appliance_and_leaves_it_as_it_found_it(
         folder: Path, running_appliance: Path) -> None:
     config = running_appliance
+    port = int(re.search(r"^  port: (\d+)", config.read_text(), flags=re.M).group(1))  # type: ignore[union-attr]
+    for words in (8, 64, 8):  # the model's context exists and has a profile of its own
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "demo", "prompt": "word " * words, "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
     before = health(config)
+    assert before["contexts"]
     out = folder / "inplace.json"
     done = appliance_cli("benchmark", "--config", str(config), "--socket", "--quick", "--out", str(out),
                          "--progress", "none")
@@ -458,6 +475,12 @@ def test_a_benchmark_in_place_measures_the_running_appliance_and_leaves_it_as_it
     assert after["agents"] == before["agents"]  # its conversations are gone
     assert after["engine"]["adaptive"] == before["engine"]["adaptive"]
     assert after["config"]["sha256"] == before["config"]["sha256"]  # the file is untouched
+
+    def contexts() -> list[tuple[str, int, str]]:
+        return [(c["model"], c["pool_cells"], c["plan"]) for c in health(config)["contexts"]]
+
+    wanted = [(c["model"], c["pool_cells"], c["plan"]) for c in before["contexts"]]
+    wait_for(lambda: contexts() == wanted, f"the contexts are back as they were: {wanted}")
 
 
 def test_repetitions_report_each_figures_median_and_none_when_one_failed() -> None:

@@ -255,6 +255,7 @@ def test_a_model_file_that_fails_its_check_keeps_the_old_model_serving(model_dir
         daemon = app.daemon
         assert app.line("REGISTER a demo").startswith("OK")
         first = decode_text(app.line("DECODE a 4 Hello"))
+        app.settle()  # a retune that request asked for holds a context beside the live one meanwhile
         runtime = daemon.models["demo"].runtime
         allocated = daemon.ledger.allocated
         broken = model_dir / "broken.gguf"

@@ -140,11 +140,11 @@ class BenchmarkJob:
     async def start(self, config_path: Path | None, folder: Path, *, quick: bool,
                     socket: Path | None = None) -> JobStatus:
         """Start a run on ``config_path`` writing its result into ``folder``; with ``socket``, in place on the
-        appliance answering there (``--socket``). Refused (``MODEL_BUSY``) while one runs; ``BAD_REQUEST`` without a
-        config file; ``INTERNAL`` when the child cannot be started."""
+        appliance answering there (``--socket``). Refused (``BENCHMARK_RUNNING``) while one runs; ``BAD_REQUEST``
+        without a config file; ``INTERNAL`` when the child cannot be started."""
         if self.state == "running":
             progress = self.progress or Step(0, 0, "starting")
-            raise ApplianceError("MODEL_BUSY", f"a benchmark is already running ({progress.done} of "
+            raise ApplianceError("BENCHMARK_RUNNING", f"a benchmark is already running ({progress.done} of "
                                  f"{progress.total} steps done): wait for it to finish",
                                  {"started_at": self.started_at, "done": progress.done, "total": progress.total})
         if config_path is None:

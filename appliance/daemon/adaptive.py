@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import time
@@ -135,6 +136,30 @@ class AdaptiveLoop:
             if model.runtime is not None:
                 self.schedule(model)
 
+    # -- engine settings held by a connection (TUNE) ------------------------------------------------------
+    def keep_tuners(self) -> dict[str, Tuner | None]:
+        """A copy of every model's tuner as it is now (None: it has none yet): its load profile and its context's
+        tuning, for :meth:`restore_tuners` once the engine settings a connection holds with TUNE are let go."""
+        return {key: copy.deepcopy(model.tuner) for key, model in self.daemon.models.items()}
+
+    async def restore_tuners(self, kept: dict[str, Tuner | None]) -> None:
+        """Put back the tuners :meth:`keep_tuners` copied, under the settings in force now: what the held settings'
+        load taught the profiles goes, and each loaded model's context is retuned to what its own profile says (its
+        pool and plan as they were, when the file did not change meanwhile)."""
+        settings = self.settings()
+        for key, tuner in kept.items():
+            model = self.daemon.models.get(key)
+            if model is None:
+                continue
+            while model.retuning is not None and not model.retuning.done():  # it applies to the tuner it found
+                await asyncio.gather(model.retuning, return_exceptions=True)
+            if tuner is not None:
+                tuner.reconfigure(settings, model.spec.n_ctx)
+            model.tuner = tuner
+            if model.runtime is not None:
+                self.schedule(model)
+        log.info("adaptive engine: the load profiles are back as they were before the held engine settings")
+
     # -- ledger figures ---------------------------------------------------------------------------------
     def context_bytes(self, model: Model, cells: int) -> int:
         """The ledger figure of a context of ``cells`` KV cells for ``model`` (KV + compute margin); 0 with an
@@ -199,10 +224,12 @@ class AdaptiveLoop:
 
     # -- applying ---------------------------------------------------------------------------------------
     def schedule(self, model: Model, *, threads_only: bool = False) -> None:
-        """Retune ``model`` in the background (one retune at a time per model)."""
+        """Retune ``model`` in the background (one retune at a time per model: one asked for meanwhile runs after
+        it, a CPU tick's threads-only one excepted, as the next tick asks again)."""
         if self.daemon.closing:
             return
         if model.retuning is not None and not model.retuning.done():
+            model.retune_again = model.retune_again or not threads_only
             return
         model.retuning = asyncio.get_running_loop().create_task(self.retune(model, threads_only=threads_only))
 
@@ -213,6 +240,11 @@ class AdaptiveLoop:
             log.warning("model %s: retune failed: %s", model.key, exc)
         except Exception:
             log.exception("model %s: retune failed", model.key)
+        finally:
+            if model.retune_again:
+                model.retune_again = False
+                model.retuning = None
+                self.schedule(model)
 
     async def _retune(self, model: Model, threads_only: bool) -> None:
         runtime = model.runtime

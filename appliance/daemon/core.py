@@ -111,6 +111,7 @@ class Model:
     tuner: Tuner | None = None  # its load profile and the tuning of its live context (SPEC E1-E4)
     shape: gguf_meta.ModelShape | None = None  # read once, for the ledger figure of each context size
     retuning: asyncio.Task[None] | None = None  # the adaptive loop's retune of its context in progress
+    retune_again: bool = False  # a retune was asked for while one ran (new settings, say): it runs once more after
     pending: Tuning | None = None  # a tuning its next request applies inline (engine.async_switch: false)
     cold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one cold context at a time
     cold_bytes: int = 0  # the ledger figure of its cold context while one exists

@@ -32,7 +32,7 @@ from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
 from appliance.supervisor.notify import Notifier, watchdog_period_s
 from appliance.supervisor.plan import ReloadPlan
-from appliance.supervisor.record import Trigger
+from appliance.supervisor.record import Reload, Trigger
 from appliance.supervisor.reloader import ApplyFailed, Reloader
 
 log = logging.getLogger(__name__)
@@ -583,16 +583,15 @@ class Appliance:
 
     async def _tune_from_socket(self, owner: object, settings: dict[str, str]) -> dict[str, Any]:
         """TUNE on the socket: ``owner``'s engine settings (none: cleared), applied by a reload now; its record."""
-        assert self.reloader is not None
+        assert self.daemon is not None
         values = tune.engine_values(settings)
         if values:
-            if not self.tunings and self.daemon is not None:
+            if not self.tunings:
                 self.kept_tuners = self.daemon.adaptive.keep_tuners()
             self.tunings[id(owner)] = values
         else:
             self.tunings.pop(id(owner), None)
-        record = await self.reloader.reload("tune")
-        await self._restore_tuners()
+        record = await self._apply_tunings()
         return record.to_dict()
 
     def _untune(self, owner: object) -> None:
@@ -600,21 +599,18 @@ class Appliance:
         held = self.tunings.pop(id(owner), None)
         if held is None or self.daemon is None or self.daemon.closing:
             return
-        self.daemon.background(asyncio.get_running_loop().create_task(self._let_go()))
+        self.daemon.background(asyncio.get_running_loop().create_task(self._apply_tunings()))
 
-    async def _let_go(self) -> None:
-        if self.reloader is None:
-            return
-        await self.reloader.reload("tune")
-        await self._restore_tuners()
-
-    async def _restore_tuners(self) -> None:
-        """Once no connection holds engine settings, the models' load profiles and contexts go back to what they
-        were before the first TUNE (the held settings' load leaves nothing behind)."""
-        if self.tunings or self.kept_tuners is None or self.daemon is None:
-            return
-        kept, self.kept_tuners = self.kept_tuners, None
-        await self.daemon.adaptive.restore_tuners(kept)
+    async def _apply_tunings(self) -> Reload:
+        """A reload that applies the engine settings connections hold now (trigger ``tune``). Once none holds any,
+        the models' load profiles and contexts go back to what they were before the first TUNE (the held settings'
+        load leaves nothing behind)."""
+        assert self.reloader is not None and self.daemon is not None
+        record = await self.reloader.reload("tune")
+        if not self.tunings and self.kept_tuners is not None:
+            kept, self.kept_tuners = self.kept_tuners, None
+            await self.daemon.adaptive.restore_tuners(kept)
+        return record
 
     def _on_reload_signal(self) -> None:
         if self.reloader is None:

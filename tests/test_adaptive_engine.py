@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.config.validate import parse_config
+from appliance.config.validate import Config, parse_config
 from appliance.daemon.adaptive import cold_key, next_key
 from appliance.daemon.core import Daemon, context_key
 from appliance.daemon.devices import FakeDevice
@@ -275,7 +275,7 @@ def test_a_reload_during_a_retune_is_retuned_after_it(tmp_path: Path, monkeypatc
     from appliance.daemon.adaptive import AdaptiveLoop
     from appliance.engine.fake import FakeEngine, ManualClock
 
-    def config_of(adaptive: bool) -> object:
+    def config_of(adaptive: bool) -> Config:
         doc = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tmp_path)],
                "resync_interval_s": 0, "engine": {"warmup_runs": 0, "live_slots": 1, "adaptive": adaptive},
                "models": [{"name": "m", "path": str(tmp_path / "m.gguf"), "vram_bytes": "1GiB", "n_ctx": 2048}]}

@@ -20,11 +20,13 @@ from typing import Any, cast
 
 from appliance import __version__
 from appliance.benchmark.jobs import BenchmarkJob
+from appliance.config import secrets as secret_settings
 from appliance.config import tune
 from appliance.config.validate import Config, load_config
 from appliance.daemon import policy, registry
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import MemoryDevice, open_device
+from appliance.daemon.statefiles import StateFiles
 from appliance.engine.adaptive import Tuner
 from appliance.engine.interface import EngineProtocol
 from appliance.errors import ApplianceError, StartupError
@@ -130,8 +132,11 @@ class InstanceLock:
                                    kind="filesystem") from None
             who = "another appliance" if holder is None else f"another appliance (pid {holder})"
             raise StartupError(f"{who} holds {self.path}", path=str(self.path), kind="busy") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the lock is held all the same; a refused second run names no pid
+            log.warning("holding the lock %s without its pid in it: %s", self.path, _reason(exc))
         self._fd = fd
 
     def release(self) -> None:
@@ -224,6 +229,7 @@ class Appliance:
         self._locks: list[InstanceLock] = []
         self._socket_lock: InstanceLock | None = None
         self._wrote_registry = False  # only a registry this instance wrote is removed at stop
+        self.state_files = StateFiles()  # the registry's writes: a full or read-only disk never fails a request
         self.stop_reason = "stop requested"
         self._last_dump = -DUMP_INTERVAL_S
         self._dump_pending = False
@@ -245,9 +251,12 @@ class Appliance:
         return self.http_server.url if self.http_server else None
 
     def apply_log_level(self) -> None:
-        """Set the appliance loggers' level from the current config (or the override); at start and reload."""
+        """Set the appliance loggers' level from the current config (or the override), and keep its secret settings
+        out of every log line; at start and reload."""
         level = (self.log_level_override or self.config.log_level).upper()
         logging.getLogger(LOG_LEVEL_LOGGER).setLevel(level)
+        secret_settings.remember(secret_settings.values_of(self.config))
+        secret_settings.guard_logs()
 
     def _lock(self) -> None:
         """Check the state folder and socket path, then take both instance locks; StartupError otherwise.
@@ -294,6 +303,7 @@ class Appliance:
         self.daemon.on_change = self.write_registry
         self.daemon.reports["config"] = self.config_report
         self.daemon.reports["reload"] = self.reload_history
+        self.daemon.reports["state_files"] = self.state_files.report
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
@@ -348,9 +358,15 @@ class Appliance:
         return sum(server.open_connections() for server in sockets) + self._http_connections()
 
     def write_registry(self) -> None:
+        """Write the registry file now (the daemon's ``on_change``, inside the requests that load or unload a model).
+        It never raises: a state folder that cannot take it makes health ``degraded`` until a retry writes the
+        registry of that time (:class:`~appliance.daemon.statefiles.StateFiles`)."""
+        self.state_files.write(registry.path(self.config.data_dir), self.registry_bytes)
+        self._wrote_registry = True  # this instance holds the state folder: what is there now is its to remove
+
+    def registry_bytes(self) -> bytes:
         assert self.daemon is not None
-        registry.write(self.config.data_dir, registry.document(self.config, self.daemon, self.http_url))
-        self._wrote_registry = True
+        return registry.encode(registry.document(self.config, self.daemon, self.http_url))
 
     def ready_status(self) -> str:
         """One line for systemd's STATUS= (``systemctl status``)."""
@@ -666,7 +682,7 @@ class Appliance:
         if self.reloader is not None:
             self.reloader.stop.set()
         if self.daemon is not None:
-            self.daemon.closing = True  # new requests get SHUTTING_DOWN; running ones go on for the grace period
+            self.daemon.closing = True  # new requests get SHUTTING_DOWN; accepted ones go on for the grace period
         servers = self._retired_sockets + ([self.socket_server] if self.socket_server is not None else [])
         for server in servers:
             server.stop_accepting()
@@ -691,6 +707,7 @@ class Appliance:
         self._http_tasks.clear()
         if self.daemon is not None:
             await self.daemon.close()
+        self.state_files.close()  # no retry writes the registry once it is removed
         if self._wrote_registry:
             with contextlib.suppress(FileNotFoundError):
                 registry.path(self.config.data_dir).unlink()
@@ -701,14 +718,15 @@ class Appliance:
 
     @staticmethod
     async def _drain(daemon: Daemon, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for the generations in flight to end by themselves."""
+        """Wait up to ``grace_s`` for the requests accepted before the stop (generating, queued, or waiting for
+        their model to load) to end by themselves."""
         deadline = time.monotonic() + grace_s
-        if daemon.generating:
-            log.info("waiting up to %g s for %d running request(s)", grace_s, daemon.generating)
-        while daemon.generating and time.monotonic() < deadline:
+        if daemon.accepted:
+            log.info("waiting up to %g s for %d running request(s)", grace_s, daemon.accepted)
+        while daemon.accepted and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if daemon.generating:
-            log.warning("%d request(s) still running after %g s: ending them with SHUTTING_DOWN", daemon.generating,
+        if daemon.accepted:
+            log.warning("%d request(s) still running after %g s: ending them with SHUTTING_DOWN", daemon.accepted,
                         grace_s)
 
 

@@ -26,6 +26,7 @@ from appliance.errors import STARTUP_EXIT_CODES, ApplianceError, StartupError
 from appliance.protocol.lines import parse_fields
 
 if TYPE_CHECKING:
+    from appliance.benchmark.apply import ConfigNotWritable
     from appliance.benchmark.inplace import RunningAppliance
 
 log = logging.getLogger(__name__)
@@ -254,15 +255,17 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from appliance.engine.tinymodel import write_tiny_model
+    from appliance.engine.tinymodel import read_template_file, write_tiny_model
 
     def progress(done: int, total: int) -> None:
         width = 30
         filled = width * done // max(total, 1)
         print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} tensors", end="", file=sys.stderr)
 
+    template = None if args.chat_template is None else read_template_file(args.chat_template)
     path = write_tiny_model(Path(args.out), layers=args.layers, dim=args.dim, seed=args.seed, dtype=args.dtype,
-                            progress=progress)
+                            progress=progress, vocab_from=args.vocab, chat_template=template,
+                            special_tokens=args.special_token)
     print(file=sys.stderr)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
@@ -270,18 +273,24 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
     """Measure (or read a saved result), save, print, and with --apply write the advice and reload."""
-    from appliance.benchmark import progress, report, runner
+    from appliance.benchmark import apply, progress, report, runner
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the session
     signal.signal(signal.SIGTERM, interrupted)  # stopped (the admin page's run): its appliances stop, folders go
     path = config_path(args)
     if args.result is not None:
+        out = args.result
         try:
             result = json.loads(Path(args.result).read_text())
         except (OSError, ValueError) as exc:
             raise CliError(f"cannot read the result {args.result}: {exc}", EXIT_CONFIG_INVALID) from None
         if not isinstance(result, dict) or result.get("benchmark") != runner.NAME:
             raise CliError(f"{args.result} is not a result of appliance benchmark", EXIT_CONFIG_INVALID)
+        try:
+            apply.recommendations_of(result.get("advice"))
+        except ValueError as exc:
+            raise CliError(f"{args.result} is not a result of appliance benchmark: {exc}",
+                           EXIT_CONFIG_INVALID) from None
     else:
         shown = {"bar": progress.BarProgress, "lines": progress.LineProgress, "none": progress.NoProgress}
         mode = args.progress or ("bar" if sys.stderr.isatty() else "lines")
@@ -303,7 +312,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     else:
         print(report.text(result))
     if args.apply:
-        apply_advice(args, path, result)
+        apply_advice(args, path, result, Path(out))
     return 0 if result["complete"] else EXIT_FAILED
 
 
@@ -328,24 +337,23 @@ def interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any]) -> None:
+def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any], result_file: Path) -> None:
     """Write the result's advice into the config (a diff shown first, confirmed unless --yes), then ask a running
-    appliance on that config to reload it (recorded as coming from the benchmark)."""
+    appliance on that config to reload it (recorded as coming from the benchmark). Only the advised keys, each with
+    a value the advice can give, are written (the result file may have been crafted)."""
     from appliance.benchmark import apply
 
     try:
-        changes = apply.pending_changes(path, result["advice"])
+        changes = apply.pending_changes(path, result.get("advice"))
+        if not changes:
+            print(f"nothing to apply: {path} already has every advised value", file=sys.stderr)
+            return
+        planned = apply.plan_changes(path, changes)
+    except apply.ConfigNotWritable as exc:
+        raise CliError(not_writable(exc, result_file, path), EXIT_FAILED) from None
     except (apply.AdviceRejected, ValueError) as exc:
         raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
-    if not changes:
-        print(f"nothing to apply: {path} already has every advised value", file=sys.stderr)
-        return
-    old = path.read_text()
-    try:
-        new = apply.advised_text(old, changes, source=path)
-    except apply.AdviceRejected as exc:
-        raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
-    print(apply.unified_diff(old, new, path), file=sys.stderr)
+    print(planned.diff, file=sys.stderr)
     if not args.yes:
         if not sys.stdin.isatty():
             raise CliError("--apply asks before writing: give --yes when stdin is not a terminal", EXIT_FAILED)
@@ -353,7 +361,12 @@ def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any]) -
         if answer.strip().lower() not in ("y", "yes"):
             print("not applied", file=sys.stderr)
             return
-    apply.apply_changes(path, changes)
+    try:
+        apply.apply_changes(path, changes)
+    except apply.ConfigNotWritable as exc:
+        raise CliError(not_writable(exc, result_file, path), EXIT_FAILED) from None
+    except apply.AdviceRejected as exc:  # the file changed since the diff was shown
+        raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
     print(f"applied {', '.join(sorted(changes))} to {path}", file=sys.stderr)
     try:
         target = reachable_socket(args)
@@ -371,6 +384,17 @@ def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any]) -
     if reply.fields["result"] not in ("applied", "unchanged"):
         raise CliError(f"the reload was {reply.fields['result']}: the file is written, the appliance runs its "
                        f"previous config", EXIT_FAILED)
+
+
+def not_writable(exc: ConfigNotWritable, result_file: Path, config: Path) -> str:
+    """The refusal of a config this process may not write, with the command that applies it as root (unless this
+    is root already: then the file system itself is read-only)."""
+    from appliance.benchmark import apply
+
+    message = f"cannot apply the advice: {exc.message}"
+    if exc.read_only and os.geteuid() != 0:
+        message += f"; apply it as root: {apply.root_command(result_file, config)}"
+    return message
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -625,6 +649,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dim", type=count, default=256)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    tiny.add_argument("--vocab", type=Path, metavar="FILE.gguf",
+                      help="take the tokenizer from this GGUF (every tokenizer.* key, e.g. of llama.cpp's vocab-only "
+                           "ggml-vocab-*.gguf) and size the embeddings to it (default: a small built-in vocabulary)")
+    tiny.add_argument("--chat-template", type=Path, metavar="FILE.jinja",
+                      help="write this file as tokenizer.chat_template (default: the --vocab file's, if it has one)")
+    tiny.add_argument("--special-token", action="append", default=[], metavar="TEXT",
+                      help="append TEXT to the vocabulary as a control token, as fine-tunes add <|im_start|> "
+                           "(repeatable)")
 
     for name, line, lists, text in (
             ("status", "STATUS", ("models", "agents"), "device, ledger, models and agents, as tables"),

@@ -33,6 +33,7 @@ _KINDS = [
     ErrorKind("VRAM_LEDGER_DENY", 503, True, "the VRAM ledger has no room for this model"),
     ErrorKind("TOO_MANY_CONNECTIONS", 429, True, "the daemon is at max_connections"),
     ErrorKind("TOO_MANY_TASKS", 429, True, "the connection is at max_tasks_per_connection"),
+    ErrorKind("TOO_MANY_AGENTS", 429, True, "the daemon holds max_agents agents"),
     ErrorKind("HOST_KV_DENY", 507, True, "the host KV budget has no room for this agent's state"),
     ErrorKind("CONTEXT_OVERFLOW", 400, False, "the request does not fit in the model's context"),
     ErrorKind("TIMEOUT", 504, True, "the operation took too long"),

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +63,47 @@ def browser() -> Iterator[Any]:
             yield chromium
         finally:
             chromium.close()
+
+
+@pytest.fixture(scope="session")
+def vendored() -> Path:
+    """The pinned llama-cpp-python sdist's real tokenizers (``ggml-vocab-<name>.gguf``) and chat templates
+    (``templates/<name>.jinja``), fetched once per machine into a cache folder (tests/vendored.py)."""
+    from vendored import VendoredUnavailable, vendored_folder
+
+    try:
+        return vendored_folder()
+    except VendoredUnavailable as exc:
+        pytest.skip(f"the llama-cpp-python sdist cannot be had, so neither can its vocab files: {exc}")
+
+
+ChatModel = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def chat_model(vendored: Path, tmp_path_factory: pytest.TempPathFactory) -> ChatModel:
+    """``chat_model(vocab, template, special_tokens=())``: a 2-layer, 64-wide random-weight model with the tokenizer of
+    ``ggml-vocab-<vocab>.gguf``, ``templates/<template>.jinja`` as its chat template (None: the vocab file's own)
+    and ``special_tokens`` appended as control tokens; each written once per session."""
+    from vendored import template_names, template_path, vocab_names, vocab_path
+
+    from appliance.engine.tinymodel import write_tiny_model
+
+    folder = tmp_path_factory.mktemp("chat-models")
+    made: dict[tuple[str, str | None, tuple[str, ...]], Path] = {}
+
+    def make(vocab: str, template: str | None, special_tokens: Sequence[str] = ()) -> Path:
+        key = (vocab, template, tuple(special_tokens))
+        if key in made:
+            return made[key]
+        if vocab not in vocab_names(vendored):
+            pytest.fail(f"the sdist has no ggml-vocab-{vocab}.gguf; it has {', '.join(vocab_names(vendored))}")
+        if template is not None and template not in template_names(vendored):
+            pytest.fail(f"the sdist has no templates/{template}.jinja; it has {', '.join(template_names(vendored))}")
+        text = None if template is None else template_path(vendored, template).read_text(encoding="utf-8")
+        made[key] = write_tiny_model(folder / f"{len(made)}-{vocab}.gguf", layers=2, dim=64,
+                                     vocab_from=vocab_path(vendored, vocab), chat_template=text,
+                                     special_tokens=special_tokens)
+        return made[key]
+
+    return make

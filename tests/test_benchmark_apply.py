@@ -5,9 +5,16 @@ atomic."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
+import re
+import shlex
+import shutil
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +342,283 @@ def test_the_advice_of_a_recorded_session_applies_to_the_repository_config(confi
     assert advice.changes(
         [dataclasses.replace(recommendation, current=after.get(recommendation.key))
          for recommendation in recommendations]) == {}
+
+
+# --- what a result file may apply (issue: apply wrote any non-model key of a crafted result) --------------------------
+
+
+def entry(key: str | None, value: Any, current: Any = None) -> dict[str, Any]:
+    return {"key": key, "value": value, "current": current, "reason": "measured"}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("http.host", "0.0.0.0"), ("http.api_token", "stolen"), ("model_dirs", ["/"]), ("max_connections", 65536),
+     ("engine.threads", 1), ("engine.plan_boundaries", [1, 2])],
+)
+def test_a_result_advising_a_key_outside_the_advice_is_refused_naming_it(
+    config_file: Path, key: str, value: Any
+) -> None:
+    before = config_file.read_bytes()
+    advice_entries = [entry("engine.live_slots", 2, 4), entry(key, value)]
+    with pytest.raises(apply_module.AdviceRefused, match=f"advice entry 2: {re.escape(key)}: not a key the advice "
+                                                         f"sets") as refused:
+        apply_module.pending_changes(config_file, advice_entries)
+    assert refused.value.key == key
+    assert config_file.read_bytes() == before
+
+
+def test_a_key_outside_the_advice_is_refused_even_when_it_would_change_nothing(config_file: Path) -> None:
+    """The result is crafted either way: nothing of it is applied."""
+    current_connections = load_config(config_file, check_files=False).max_connections
+    with pytest.raises(apply_module.AdviceRefused, match="max_connections: not a key the advice sets"):
+        apply_module.pending_changes(config_file, [entry("max_connections", current_connections)])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "refused"),
+    [("http.host", "0.0.0.0", "http.host: not a key the advice sets"),
+     ("engine.adaptive_window_size", 1000, "engine.adaptive_window_size: 1000 is not a value the advice gives "
+                                           "\\(one of 32, 64, 128"),
+     ("engine.adaptive_sample_rate", 3, "engine.adaptive_sample_rate: 3 is not a value the advice gives"),
+     ("engine.adaptive_window_size", 64.0, "engine.adaptive_window_size: 64.0 is not a value"),
+     ("engine.live_contexts", 3, "engine.live_contexts: 3 is not a value the advice gives \\(auto or an integer "
+                                 "from 1 to 2, the configured models")],
+)
+def test_the_writer_refuses_what_the_advice_could_not_have_produced(
+    config_file: Path, key: str, value: Any, refused: str
+) -> None:
+    """apply_changes itself writes only the advised keys, each with a value of its own range (the config would take
+    every one of these; the repository config has two models)."""
+    assert len(load_config(config_file, check_files=False).models) == 2
+    before = config_file.read_bytes()
+    with pytest.raises(apply_module.AdviceRefused, match=refused):
+        apply_changes(config_file, {key: value})
+    assert config_file.read_bytes() == before
+    assert sorted(path.name for path in config_file.parent.iterdir()) == ["appliance.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("engine.adaptive_window_size", 128), ("engine.adaptive_sample_rate", 2), ("engine.hot_pool_slack", 10),
+     ("engine.hot_pool_slack", 1.0), ("engine.thread_idle_thresholds", (1, 0)),
+     ("engine.thread_idle_thresholds", [100, 99]), ("engine.live_slots", 64), ("engine.live_contexts", "auto")],
+)
+def test_the_edges_of_each_advised_range_are_written(config_file: Path, key: str, value: Any) -> None:
+    applied = apply_changes(config_file, {key: value})
+    assert advice.current_settings(load_config(config_file, check_files=False))[key] == advice.file_value(value)
+    assert applied.keys == ((key,) if applied.diff else ())
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 5, 8, 64, 267, 400])
+@pytest.mark.parametrize("in_flight", [0, 1, 7, 200])
+@pytest.mark.parametrize("device_mib", [1, 60, 100, 10_000])
+def test_whatever_the_advice_recommends_passes_its_own_allow_list(cores: int, in_flight: int,
+                                                                  device_mib: int) -> None:
+    """The gate refuses nothing the advice itself gives, on small and huge boxes (every key, its edges)."""
+    models = (advice.ModelFootprint("a", 20 * advice.MIB, 30 * advice.MIB),
+              advice.ModelFootprint("b", 40 * advice.MIB, 10 * advice.MIB))
+    measurements = advice.Measurements(
+        machine=advice.Machine(cores, cores * advice.GIB, "host", device_mib * advice.MIB),
+        tokens_per_s=5.0 * cores,
+        slack_sweep=(advice.SlackPoint(1.0, 250.0, 260.0, 100 * advice.MIB, 17.0),
+                     advice.SlackPoint(10.0, 200.0, 240.0, 90 * advice.MIB, 17.5)),
+        thread_curve=(advice.ThreadPoint(1, 12.0), advice.ThreadPoint(2, 9.0 if cores % 2 else 14.0),
+                      advice.ThreadPoint(3, 8.0)),
+        max_in_flight=in_flight,
+        models=models,
+        max_connections=64,
+        current={},
+    )
+    _, recommendations = advice.advise(measurements)
+    keyed = [recommendation for recommendation in recommendations if recommendation.key is not None]
+    assert {recommendation.key for recommendation in keyed} == set(advice.ADVISED)
+    for recommendation in keyed:
+        value = recommendation.to_dict()["value"]  # as the result file holds it
+        assert advice.refusal(recommendation.key, value, len(models)) is None, (recommendation.key, value)
+
+
+# --- comments are the operator's data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "changes", "expected"),
+    [
+        ("engine:\n  thread_idle_thresholds:\n  - 60   # high\n  - 30   # low\n",
+         {"engine.thread_idle_thresholds": [100, 38]},
+         "engine:\n  thread_idle_thresholds:\n  - 100  # high\n  - 38   # low\n"),
+        ("engine:\n", {"engine.live_slots": 2}, "engine:\n  live_slots: 2\n"),
+        ("max_connections: 3\nengine:\n\nmodels: []\n", {"engine.live_slots": 2},
+         "max_connections: 3\nengine:\n  live_slots: 2\n\nmodels: []\n"),
+        ("engine:   # tuned below\nmodels: []\n", {"engine.live_slots": 2},
+         "engine:   # tuned below\n  live_slots: 2\nmodels: []\n"),
+        ("max_connections: 3\nengine: ~   # later\n\n# the models\nmodels: []\n", {"engine.live_slots": 2},
+         "max_connections: 3\nengine:     # later\n  live_slots: 2\n\n# the models\nmodels: []\n"),
+    ],
+    ids=["block-list-item-comments", "empty-first-section", "empty-middle-section", "empty-section-comment",
+         "null-section-then-a-comment"],
+)
+def test_comments_and_blank_lines_stay_where_they_are(text: str, changes: dict[str, Any], expected: str) -> None:
+    assert advised_text(text, changes) == expected
+    assert comments(advised_text(text, changes)) == comments(text)
+
+
+def test_an_edit_that_would_drop_a_comment_is_refused() -> None:
+    """The last guard: whatever the round trip does, a comment of the file never silently goes."""
+    old = "engine:\n  live_slots: 4  # four\n  threads: 0  # auto\n"
+    with pytest.raises(AdviceRejected, match="would drop the comment '# auto' \\(line 3\\)"):
+        apply_module._check_comments_kept(old, "engine:\n  live_slots: 2  # four\n  threads: 0\n", "the config")
+    apply_module._check_comments_kept(old, "engine:\n  live_slots: 2    # four\n  threads: 0  # auto\n", "the config")
+
+
+# --- the write: temporary files, hard links, read-only files --------------------------------------------------------
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_temporary_files_left_by_a_killed_apply_are_removed_by_the_next(config_file: Path) -> None:
+    folder = config_file.parent
+    gone = dead_pid()
+    stale = [folder / ".appliance.yaml.k3j_9x0a.tmp", folder / f".appliance.yaml.{gone}.ab12cd34.tmp"]
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        try:
+            kept = [folder / f".appliance.yaml.{alive.pid}.zz99yy88.tmp",  # its writer still runs
+                    folder / ".appliance.yaml.swp", folder / ".other.yaml.k3j_9x0a.tmp", folder / "notes.tmp"]
+            for path in [*stale, *kept]:
+                path.write_text("half written")
+            apply_changes(config_file, {"engine.live_slots": 2})
+            assert sorted(path.name for path in folder.iterdir()) == sorted(["appliance.yaml",
+                                                                             *(path.name for path in kept)])
+        finally:
+            alive.kill()
+    assert load_config(config_file, check_files=False).engine.live_slots == 2
+
+
+WRITE_THEN_SIGTERM = """
+import os, signal, sys
+from appliance.benchmark import apply
+real_fsync = os.fsync
+def fsync_then_sigterm(descriptor):
+    os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends, no handler runs
+    real_fsync(descriptor)
+os.fsync = fsync_then_sigterm
+apply.write_atomic(sys.argv[1], "engine:\\n  live_slots: 2\\n")
+print("not reached: the SIGTERM ends the process once the write is done")
+"""
+
+
+def test_a_sigterm_during_the_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "appliance.yaml"
+    path.write_text("engine:\n  live_slots: 4\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-c", WRITE_THEN_SIGTERM, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert [entry.name for entry in tmp_path.iterdir()] == ["appliance.yaml"]
+    assert path.read_text(encoding="utf-8") == "engine:\n  live_slots: 2\n"  # held off until the rename
+
+
+def test_an_exception_during_the_write_leaves_no_temporary_file(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "appliance.yaml"
+    path.write_text("old\n", encoding="utf-8")
+
+    def interrupted_chmod(target: Any, mode: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "chmod", interrupted_chmod)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, "new\n")
+    assert [entry.name for entry in tmp_path.iterdir()] == ["appliance.yaml"]
+    assert path.read_text(encoding="utf-8") == "old\n"
+
+
+def test_a_hard_linked_config_is_refused_and_both_names_keep_the_file(config_file: Path) -> None:
+    other = config_file.parent / "backup.yaml"
+    os.link(config_file, other)
+    before = config_file.read_bytes()
+    with pytest.raises(apply_module.ConfigNotWritable, match="has 2 hard links") as refused:
+        apply_changes(config_file, {"engine.live_slots": 2})
+    assert not refused.value.read_only
+    assert config_file.read_bytes() == before and other.read_bytes() == before
+    assert os.stat(config_file).st_ino == os.stat(other).st_ino  # still one file under two names
+    assert sorted(path.name for path in config_file.parent.iterdir()) == ["appliance.yaml", "backup.yaml"]
+
+
+def immutable(path: Path) -> bool:
+    """Give ``path`` the immutable attribute (root, a file system that has it); False where it cannot."""
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        return False
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+def test_an_immutable_config_is_refused_with_the_command_to_run_as_root(config_file: Path) -> None:
+    if not immutable(config_file):
+        pytest.skip("needs root and chattr +i")
+    before = config_file.read_bytes()
+    try:
+        with pytest.raises(apply_module.ConfigNotWritable, match="not writable by this process") as refused:
+            apply_changes(config_file, {"engine.live_slots": 2})
+    finally:
+        subprocess.run(["chattr", "-i", str(config_file)], check=True)
+    assert refused.value.read_only
+    assert config_file.read_bytes() == before
+    assert sorted(path.name for path in config_file.parent.iterdir()) == ["appliance.yaml"]
+
+
+@pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES, errno.EPERM])
+def test_a_read_only_file_system_found_at_the_write_is_refused_clearly(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """The check before writing passed, the file system refused anyway (made read-only meanwhile)."""
+    before = config_file.read_bytes()
+
+    def refusing_mkstemp(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(apply_module.tempfile, "mkstemp", refusing_mkstemp)
+    with pytest.raises(apply_module.ConfigNotWritable, match=f"cannot write .*{re.escape(os.strerror(error))}"):
+        apply_changes(config_file, {"engine.live_slots": 2})
+    assert config_file.read_bytes() == before
+
+
+def test_the_command_to_apply_as_root_is_one_the_cli_takes(tmp_path: Path) -> None:
+    command = apply_module.root_command(Path("/var/lib/appliance/benchmarks/r 1.json"),
+                                        Path("/etc/appliance/appliance.yaml"), Path("/run/appliance/appliance.sock"))
+    words = shlex.split(command)
+    assert words[0] == "sudo" and Path(words[1]).name == "appliance"
+    from appliance.cli import build_parser
+
+    args = build_parser().parse_args(words[2:])
+    assert args.command == "benchmark" and args.apply is True
+    assert args.result == "/var/lib/appliance/benchmarks/r 1.json"
+    assert args.config == "/etc/appliance/appliance.yaml" and args.socket == "/run/appliance/appliance.sock"
+
+
+def test_the_cli_gives_a_user_the_command_to_run_and_root_only_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from appliance import cli
+
+    def a_user() -> int:
+        return 1000
+
+    def root() -> int:
+        return 0
+
+    config = tmp_path / "appliance.yaml"
+    result = tmp_path / "result.json"
+    refused = apply_module.ConfigNotWritable(config, f"{config} is not writable by this process (a read-only file "
+                                             f"system)", read_only=True)
+    monkeypatch.setattr(os, "geteuid", a_user)
+    as_user = cli.not_writable(refused, result, config)
+    assert as_user == (f"cannot apply the advice: {config} is not writable by this process (a read-only file "
+                       f"system); apply it as root: {apply_module.root_command(result, config)}")
+    monkeypatch.setattr(os, "geteuid", root)
+    assert cli.not_writable(refused, result, config) == f"cannot apply the advice: {refused.message}"
+    linked = apply_module.ConfigNotWritable(config, f"{config} has 2 hard links", read_only=False)
+    monkeypatch.setattr(os, "geteuid", a_user)
+    assert "sudo" not in cli.not_writable(linked, result, config)  # root would not help

@@ -161,7 +161,7 @@ def test_idle_ttl_expires_when_the_clock_says_so(tmp_path: Path) -> None:
         assert await daemon.sweep_idle() == []
         assert daemon.model_state("forever") == daemon.model_state("held") == "loaded"
 
-    run(tmp_path, body, models=models)
+    run(tmp_path, body, models=models, agent_idle_ttl_s=0)  # the agent never expires: only its UNREGISTER frees "held"
 
 
 def test_a_running_request_is_never_idle(tmp_path: Path) -> None:
@@ -490,14 +490,23 @@ def test_idle_agents_expire_and_their_model_goes_with_the_last(tmp_path: Path) -
     run(tmp_path, body, agent_idle_ttl_s=60)
 
 
-def test_agents_never_expire_by_default(tmp_path: Path) -> None:
-    async def body(env: Env) -> None:
+def test_agents_expire_after_a_day_by_default_and_never_with_0(tmp_path: Path) -> None:
+    async def by_default(env: Env) -> None:
+        await env.daemon.register("a", "m")
+        env.clock.advance(86399)
+        assert await env.daemon.sweep_idle() == [] and list(env.daemon.agents) == ["a"]
+        env.clock.advance(1)
+        await env.daemon.sweep_idle()
+        assert not env.daemon.agents and env.daemon.counters["agents_expired"] == 1
+
+    async def never(env: Env) -> None:
         await env.daemon.register("a", "m")
         env.clock.advance(1e9)
         assert await env.daemon.sweep_idle() == [] and list(env.daemon.agents) == ["a"]
 
-    assert make_config(tmp_path, {}).agent_idle_ttl_s == 0
-    run(tmp_path, body)
+    assert make_config(tmp_path, {}).agent_idle_ttl_s == 86400
+    run(tmp_path, by_default)
+    run(tmp_path, never, agent_idle_ttl_s=0)
 
 
 def test_an_agent_used_while_the_sweep_works_on_another_stays(tmp_path: Path) -> None:

@@ -53,6 +53,9 @@ PURE = [
     "benchmark.report",
     "benchmark.progress",
     "http.admin.charts",
+    "protocol.identifiers",
+    "protocol.paging",
+    "config.secrets",
 ]
 
 

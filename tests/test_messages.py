@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from appliance.errors import TABLE, ApplianceError
 from appliance.protocol.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
+from appliance.protocol.identifiers import AGENT_ID
 from appliance.protocol.messages import (
     MAX_ID_CHARS,
     MAX_STOP_STRINGS,
@@ -292,6 +293,7 @@ def test_task_complete_tool_call_with_another_stop_reason_is_refused_from_the_pe
 # --- round trips ----------------------------------------------------------------------------------------------------
 
 IDS = st.text(min_size=1, max_size=12)
+AGENT_IDS = st.from_regex(AGENT_ID, fullmatch=True)  # a session_id names an agent: the agents' one rule
 TEXT = st.text(max_size=30)
 SCALAR = st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(allow_nan=False, allow_infinity=False) | TEXT
 JSON_OBJ = st.dictionaries(TEXT, st.recursive(SCALAR, lambda k: st.lists(k, max_size=3), max_leaves=5), max_size=3)
@@ -299,12 +301,12 @@ NUM = st.floats(0, 1e9, allow_nan=False)
 CHAT = st.builds(ChatMessage, st.sampled_from(ROLES), TEXT)
 USAGE = st.builds(Usage, st.integers(0, 10**6), st.integers(0, 10**6))
 INFER = st.builds(
-    InferRequest, IDS, model=st.none() | IDS, session_id=IDS, prompt=TEXT,
+    InferRequest, IDS, model=st.none() | IDS, session_id=AGENT_IDS, prompt=TEXT,
     max_tokens=st.integers(1, MAX_TOKENS_LIMIT), temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True),
     stop=st.lists(IDS, max_size=MAX_STOP_STRINGS), stream=st.booleans(),
 ) | st.builds(InferRequest, IDS, model=IDS, messages=st.lists(CHAT, min_size=1, max_size=4))
 MESSAGES = st.one_of(
-    st.builds(TaskStart, IDS, IDS, IDS, tools=st.none() | JSON_OBJ | st.lists(JSON_OBJ, max_size=2),
+    st.builds(TaskStart, IDS, AGENT_IDS, IDS, tools=st.none() | JSON_OBJ | st.lists(JSON_OBJ, max_size=2),
               status=st.none() | IDS),
     INFER,
     st.builds(StreamToken, IDS, TEXT, st.integers(0, 2**31 - 1), NUM,

@@ -316,7 +316,7 @@ def test_a_disconnect_cancels_the_generation(app: Running) -> None:
         plain = json.dumps({**body, "stream": False}).encode()
         host, port = app.appliance.http_url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(plain)).encode() + b"\r\n\r\n" + plain)
             assert wait_until(lambda: app.daemon.generating == 1, timeout=20)
         assert wait_until(lambda: app.daemon.generating == 0, timeout=10)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from appliance.config.schema import BY_KEY
+from appliance.config.schema import BY_KEY, show
 from appliance.engine.adaptive import PRESETS
 
 KIB = 1024
@@ -27,10 +27,101 @@ THRESHOLDS_KEY = "engine.thread_idle_thresholds"
 SLOTS_KEY = "engine.live_slots"
 CONTEXTS_KEY = "engine.live_contexts"
 PRESET_KEYS = ("engine.adaptive_window_size", "engine.adaptive_sample_rate")
-ADVISED_KEYS = (*PRESET_KEYS, SLACK_KEY, THRESHOLDS_KEY, SLOTS_KEY, CONTEXTS_KEY)
+AUTO = "auto"
+
+PRESET = "preset"
+INTEGER = "integer"
+NUMBER = "number"
+PAIR = "pair"
+COUNT_OR_AUTO = "count_or_auto"
+
+
+@dataclass(frozen=True)
+class AdvisedValues:
+    """The values the advice can give one key: ``kind`` :data:`PRESET` (one of ``choices``), :data:`INTEGER` or
+    :data:`NUMBER` (from ``minimum`` to ``maximum``), :data:`PAIR` (``[high, low]``: integers from ``minimum`` to
+    ``maximum``, high above low) or :data:`COUNT_OR_AUTO` (``auto``, or an integer from ``minimum`` to the number of
+    configured models: one live context per model at most)."""
+
+    kind: str
+    minimum: float = 0
+    maximum: float = 0
+    choices: tuple[int, ...] = ()
+
+    def admits(self, value: Any, models: int) -> bool:
+        """``value`` (as a result file's JSON holds it) is one of these; ``models``: how many the config has."""
+        if self.kind == PRESET:
+            return _is_integer(value) and value in self.choices
+        if self.kind == INTEGER:
+            return _is_integer(value) and self.minimum <= value <= self.maximum
+        if self.kind == NUMBER:
+            return _is_number(value) and self.minimum <= value <= self.maximum
+        if self.kind == PAIR:
+            return (isinstance(value, list | tuple) and len(value) == 2 and all(map(_is_integer, value))
+                    and self.minimum <= value[1] < value[0] <= self.maximum)
+        if self.kind == COUNT_OR_AUTO:
+            return value == AUTO or (_is_integer(value) and self.minimum <= value <= max(1, models))
+        raise ValueError(f"unknown kind of advised values {self.kind!r}")
+
+    def describe(self, models: int) -> str:
+        if self.kind == PRESET:
+            return f"one of {', '.join(map(str, self.choices))} (the device classes' presets)"
+        if self.kind == INTEGER:
+            return f"an integer from {self.minimum:g} to {self.maximum:g}"
+        if self.kind == NUMBER:
+            return f"a number from {self.minimum:g} to {self.maximum:g}"
+        if self.kind == PAIR:
+            return f"[high, low]: two integers from {self.minimum:g} to {self.maximum:g}, the first above the second"
+        return f"{AUTO} or an integer from {self.minimum:g} to {max(1, models)}, the configured models"
+
+
+def _preset_values(setting: str) -> tuple[int, ...]:
+    return tuple(sorted({preset[setting] for preset in PRESETS.values()}))
+
+
+def _schema_range(key: str) -> tuple[float, float]:
+    setting = BY_KEY[key]
+    if setting.minimum is None or setting.maximum is None:
+        raise ValueError(f"{key} has no range in the schema")
+    return setting.minimum, setting.maximum
+
+
+ADVISED: dict[str, AdvisedValues] = {
+    PRESET_KEYS[0]: AdvisedValues(PRESET, choices=_preset_values("adaptive_window_size")),
+    PRESET_KEYS[1]: AdvisedValues(PRESET, choices=_preset_values("adaptive_sample_rate")),
+    SLACK_KEY: AdvisedValues(NUMBER, *_schema_range(SLACK_KEY)),
+    THRESHOLDS_KEY: AdvisedValues(PAIR, 0, 100),
+    SLOTS_KEY: AdvisedValues(INTEGER, *_schema_range(SLOTS_KEY)),
+    CONTEXTS_KEY: AdvisedValues(COUNT_OR_AUTO, 1),
+}
+"""The allow-list of ``--apply`` and the admin page's "Apply advice": every config key the advice may change, in
+the order :func:`advise` gives them, with the values its functions can produce (the presets; the slack sweep's
+range; the thresholds :func:`thread_advice` keeps within ``0 <= low < high <= 100``; the slots capped at the
+schema's maximum; the live contexts that fit). A result file is untrusted: anything else in it is refused
+(:func:`refusal`)."""
+ADVISED_KEYS = tuple(ADVISED)
 """Every config key the advice may change, in the order :func:`advise` gives them."""
 
-AUTO = "auto"
+
+def key_refusal(key: Any) -> str | None:
+    """Why a result's advice entry for ``key`` cannot be applied (a key outside :data:`ADVISED`), or None."""
+    if key in ADVISED:
+        return None
+    return (f"{key}: not a key the advice sets (it sets only {', '.join(ADVISED)}); a result of appliance "
+            f"benchmark never advises it, so the result file was edited or crafted")
+
+
+def refusal(key: Any, value: Any, models: int) -> str | None:
+    """Why ``value`` for ``key`` cannot be applied (a key outside :data:`ADVISED`, a value the advice cannot give
+    with ``models`` configured models), or None."""
+    problem = key_refusal(key)
+    if problem is not None:
+        return problem
+    values = ADVISED[key]
+    if values.admits(value, models):
+        return None
+    return f"{key}: {show(_json_value(value))} is not a value the advice gives ({values.describe(models)})"
+
 SLACK_TOLERANCE = 0.05
 """A slack whose TTFT is within this share of the sweep's best counts as near-best."""
 THREAD_TOLERANCE = 0.03
@@ -428,6 +519,10 @@ def current_settings(config: Any) -> dict[str, Any]:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

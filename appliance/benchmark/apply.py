@@ -3,9 +3,15 @@
 The file is edited as a ``ruamel.yaml`` round trip, so every comment, blank line, key order, quote and flow list
 stays. :func:`advised_text` first finds the dump settings (indents, how null is spelled) that reproduce the file
 exactly, refuses what it cannot edit in place, sets each dotted key (a missing one at the end of its section, the
-section at the end of the file when it is missing), checks that only the advised keys' lines changed and that
-the result is a valid config (:func:`~appliance.config.validate.parse_config`). :func:`apply_changes` reads,
-edits and writes the file atomically (:func:`write_atomic`).
+section at the end of the file when it is missing), checks that only the advised keys' lines changed, that every
+comment is still there and that the result is a valid config (:func:`~appliance.config.validate.parse_config`).
+
+A result file is untrusted input (it may have been crafted): :func:`pending_changes` refuses an entry whose key is
+not one the advice sets, and :func:`apply_changes` (what both ``--apply`` and the admin page's "Apply advice"
+write with) refuses any key outside :data:`~appliance.benchmark.advice.ADVISED` or a value outside its range
+(:class:`AdviceRefused`). It then writes the file atomically (:func:`write_atomic`), or refuses with
+:class:`ConfigNotWritable` when this process may not (a read-only file system, as ``/etc/appliance`` is to the
+shipped systemd unit: :func:`root_command` says what to run instead) or should not (a hard-linked file).
 """
 
 from __future__ import annotations
@@ -14,10 +20,16 @@ import contextlib
 import difflib
 import errno
 import io
+import logging
 import os
+import re
+import shlex
+import signal
 import stat
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,9 +40,12 @@ from ruamel.yaml.error import CommentMark, YAMLError
 from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.tokens import CommentToken
 
-from appliance.benchmark.advice import Recommendation, changes, current_settings
+from appliance.benchmark.advice import Recommendation, changes, current_settings, key_refusal, refusal
 from appliance.config import schema
+from appliance.config.types import Config
 from appliance.config.validate import ConfigInvalid, load_config, parse_config
+
+log = logging.getLogger(__name__)
 
 WIDTH = 1 << 16
 """Wide enough that no line is ever re-wrapped."""
@@ -41,6 +56,11 @@ INDENTS: tuple[tuple[int, int, int], ...] = tuple(
 NULL_SPELLINGS = ("null", "", "~")
 """How a null value may be spelled in the file (tried in order, as the indents)."""
 SCALARS = (bool, int, float, str)
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+"""Held off while :func:`write_atomic`'s temporary file exists: one arriving then takes effect once it is gone."""
+NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+"""The errors of a write this process may not do (read-only file system, permissions, the immutable attribute)."""
+COMMENT = re.compile(r"(?:^|\s)(#.*)$")
 
 
 def _null_representer(spelling: str) -> type[RoundTripRepresenter]:
@@ -71,6 +91,29 @@ class AdviceRejected(Exception):
         self.message = message
 
 
+class AdviceRefused(AdviceRejected):
+    """A change that is not advice: ``key`` is not one the advice sets, or its value is not one the advice could
+    have produced (:data:`~appliance.benchmark.advice.ADVISED`). Nothing is written."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigNotWritable(PermissionError):
+    """The config file cannot be replaced by this process (``read_only``: a read-only file system, the immutable
+    attribute, permissions) or should not be (a file with more than one hard link). Nothing is written."""
+
+    def __init__(self, path: Path, message: str, *, read_only: bool, error: int = errno.EACCES) -> None:
+        super().__init__(error, message, str(path))
+        self.path = path
+        self.message = message
+        self.read_only = read_only
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass(frozen=True)
 class Applied:
     """What :func:`apply_changes` did: the file's text before and after, their unified diff ("" when nothing
@@ -86,6 +129,7 @@ class Applied:
 class _Edit:
     text: str
     keys: tuple[str, ...]
+    models: int  # the configured models
 
 
 def advised_text(text: str, changes: Mapping[str, Any], *, source: Path | None = None) -> str:
@@ -112,14 +156,36 @@ def unified_diff(old: str, new: str, path: str | os.PathLike[str]) -> str:
 
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Replace the file at ``path`` (through a symlink: its target) with ``text``: a temporary file in the same
-    folder, written, flushed, fsynced, given the original's mode (and owner, where allowed), renamed over it, then
-    the folder fsynced. On any failure the original is untouched and the temporary file removed."""
+    folder (``.<name>.<pid>.<random>.tmp``), written, flushed, fsynced, given the original's mode (and owner, where
+    allowed), renamed over it, then the folder fsynced. On any failure the original is untouched and the temporary
+    file removed; :data:`HELD_SIGNALS` wait until it is renamed or removed, so a SIGTERM leaves none either. A
+    SIGKILL cannot be held off: the next write removes what it left (:func:`remove_stale_temporaries`).
+
+    Refused (:class:`ConfigNotWritable`, nothing written) where the file or its folder is not writable by this
+    process (:func:`check_writable`), and for a file with more than one hard link: the rename would leave its other
+    names on the old text, and writing through it in place is not atomic (a crash mid-write leaves a half-written
+    config under every name), so neither is done; the operator makes the other names symlinks, or edits by hand."""
     target = Path(os.path.realpath(path))
     try:
         original: os.stat_result | None = target.stat()
     except FileNotFoundError:
         original = None
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    check_writable(target)
+    try:
+        with _signals_held():
+            for stale in remove_stale_temporaries(target):
+                log.warning("removed %s, the temporary file of an interrupted write of %s", stale, target)
+            _replace(target, text, original)
+    except OSError as exc:
+        if exc.errno in NOT_WRITABLE:
+            raise ConfigNotWritable(target, f"cannot write {target}: {exc.strerror or exc}", read_only=True,
+                                    error=exc.errno) from exc
+        raise
+
+
+def _replace(target: Path, text: str, original: os.stat_result | None) -> None:
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp",
+                                             dir=target.parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8", newline="") as file:
             file.write(text)
@@ -136,19 +202,136 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     _fsync_folder(target.parent)
 
 
-def apply_changes(path: str | os.PathLike[str], changes: Mapping[str, Any]) -> Applied:
-    """Read the config at ``path``, set ``changes`` (:func:`advised_text`), and write it back atomically; nothing
-    is written when no value changes (``diff`` is "")."""
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Block :data:`HELD_SIGNALS` for this thread meanwhile; a pending one is delivered at the end."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Refuse (:class:`ConfigNotWritable`) a write of ``path`` (through a symlink: its target) that
+    :func:`write_atomic` would not or could not do: the file has more than one hard link, or it or its folder
+    (where the temporary file goes) is not writable by this process."""
+    target = Path(os.path.realpath(path))
+    try:
+        links = target.stat().st_nlink
+    except FileNotFoundError:
+        links = 0
+    if links > 1:
+        raise ConfigNotWritable(target, f"{target} has {links} hard links: replacing it would leave the other names "
+                                f"with the old settings, and writing it in place is not atomic; make the other "
+                                f"names symlinks to it, or set the advised keys by hand", read_only=False)
+    effective = os.access in os.supports_effective_ids
+    if links and not os.access(target, os.W_OK, effective_ids=effective):
+        raise ConfigNotWritable(target, f"{target} is not writable by this process ({_why_read_only(target)})",
+                                read_only=True)
+    if not os.access(target.parent, os.W_OK | os.X_OK, effective_ids=effective):
+        raise ConfigNotWritable(target, f"{target}: its folder {target.parent} is not writable by this process "
+                                f"({_why_read_only(target.parent)}), and the file is replaced through a new file "
+                                f"there", read_only=True)
+
+
+def _why_read_only(path: Path) -> str:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        return "a read-only file system"
+    return f"user id {os.geteuid()}: its permissions or the immutable attribute"
+
+
+def _temporary_name(name: str) -> re.Pattern[str]:
+    """The names :func:`write_atomic` gives the temporary files of a file called ``name``: ``.<name>.<pid>.<8
+    random>.tmp`` (``.<name>.<8 random>.tmp``: written by a version that did not name its pid)."""
+    return re.compile(rf"\.{re.escape(name)}\.(?:(?P<pid>[0-9]{{1,10}})\.)?[a-z0-9_]{{8}}\.tmp")
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files that writes of ``path`` left when killed (:func:`write_atomic`'s naming, written
+    by a process that is gone, or by a version that did not name it); answers what was removed."""
+    target = Path(os.path.realpath(path))
+    pattern = _temporary_name(target.name)
+    removed = []
+    for entry in target.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None or not stat.S_ISREG(entry.lstat().st_mode):
+            continue
+        pid = match.group("pid")
+        if pid is not None and _running(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def root_command(result: str | os.PathLike[str], config: str | os.PathLike[str],
+                 socket: str | os.PathLike[str] | None = None) -> str:
+    """The command that applies ``result`` to ``config`` as root, for a config this process may not write (the
+    shipped systemd unit keeps ``/etc/appliance`` read-only to the service): this installation's ``appliance``
+    (beside its Python; ``appliance`` from the PATH when there is none) under sudo; ``socket``: the running
+    appliance it then tells to reload."""
+    program = Path(sys.executable).with_name("appliance")
+    words = ["sudo", str(program) if program.is_file() else "appliance", "benchmark", "--result",
+             os.path.abspath(result), "--apply", "--config", os.path.abspath(config)]
+    if socket is not None:
+        words += ["--socket", os.path.abspath(socket)]
+    return shlex.join(words)
+
+
+def plan_changes(path: str | os.PathLike[str], changes: Mapping[str, Any]) -> Applied:
+    """What :func:`apply_changes` would write, nothing written: the config at ``path`` read and edited
+    (:func:`advised_text`), every change checked as advice (:func:`check_advice`), and the file checked writable
+    (:func:`check_writable`) when something changes."""
     source = Path(path)
     try:
         old_text = source.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise AdviceRejected(f"{source}: not UTF-8 text ({exc})") from None
-    edit = _edit(old_text, changes, source)
+    for key, value in changes.items():  # a key the advice never sets is named as such, whatever its value
+        _check_change(key, value)
+        problem = key_refusal(key)
+        if problem is not None:
+            raise AdviceRefused(key, f"{problem}; nothing applied")
+    edit = _edit(old_text, changes, source)  # a value the config refuses is refused as such (CONFIG_INVALID)
+    check_advice(changes, edit.models)
     diff = unified_diff(old_text, edit.text, source)
     if diff:
-        write_atomic(source, edit.text)
+        check_writable(source)
     return Applied(old_text, edit.text, diff, edit.keys)
+
+
+def apply_changes(path: str | os.PathLike[str], changes: Mapping[str, Any]) -> Applied:
+    """Read the config at ``path``, set ``changes`` (:func:`plan_changes`: advised keys only, each within the
+    advice's range), and write it back atomically (:func:`write_atomic`); nothing is written when no value
+    changes (``diff`` is "")."""
+    planned = plan_changes(path, changes)
+    if planned.diff:
+        write_atomic(path, planned.new_text)
+    return planned
+
+
+def check_advice(changes: Mapping[str, Any], models: int) -> None:
+    """Refuse (:class:`AdviceRefused`) a change that is not advice: a key outside
+    :data:`~appliance.benchmark.advice.ADVISED`, or a value its advice cannot give (``models``: how many models the
+    config has)."""
+    for key, value in changes.items():
+        problem = refusal(key, value, models)
+        if problem is not None:
+            raise AdviceRefused(key, f"{problem}; nothing applied")
 
 
 # --- the edit --------------------------------------------------------------------------------------------------------
@@ -158,9 +341,9 @@ def _edit(text: str, changes: Mapping[str, Any], source: Path | None) -> _Edit:
     file = "the config" if source is None else str(source)
     for key, value in changes.items():
         _check_change(key, value)
-    _validate(text, source, file, {})
+    models = len(_validate(text, source, file, {}).models)
     if not changes:
-        return _Edit(text, ())
+        return _Edit(text, (), models)
     final_newline = text.endswith("\n") or not text
     body = text if final_newline else text + "\n"
     yaml, root = _round_trip(body, file)
@@ -181,12 +364,13 @@ def _edit(text: str, changes: Mapping[str, Any], source: Path | None) -> _Edit:
                 changed.append(key)
                 added = added or outcome == "added"
         if not changed:
-            return _Edit(text, ())
+            return _Edit(text, (), models)
         new_body = _dump(yaml, root)
     new_text = new_body if final_newline else new_body.removesuffix("\n")
     _check_confined(body, new_body, allowed, added, file)
+    _check_comments_kept(body, new_body, file)
     _validate(new_text, source, file, changes)
-    return _Edit(new_text, tuple(changed))
+    return _Edit(new_text, tuple(changed), models)
 
 
 def _check_change(key: Any, value: Any) -> None:
@@ -200,10 +384,10 @@ def _check_change(key: Any, value: Any) -> None:
         raise AdviceRejected(f"{key}: {value!r} is not a YAML scalar or a list of scalars")
 
 
-def _validate(text: str, source: Path | None, file: str, changes: Mapping[str, Any]) -> None:
-    """Refuse ``text`` unless it is a valid config; name the changed key a problem is about."""
+def _validate(text: str, source: Path | None, file: str, changes: Mapping[str, Any]) -> Config:
+    """The config ``text`` holds; refuse it unless it is valid, naming the changed key a problem is about."""
     try:
-        parse_config(text, source=source, check_files=False)
+        return parse_config(text, source=source, check_files=False)
     except ConfigInvalid as exc:
         if not changes:
             raise AdviceRejected(f"{file} is not a valid config before any change; fix it first: {exc}") from None
@@ -274,8 +458,11 @@ def _set(root: CommentedMap, key: str, value: Any, allowed: set[int]) -> str | N
     *sections, name = key.split(".")
     mapping = root
     for depth, section in enumerate(sections):
-        if section not in mapping or mapping[section] is None:
+        if section not in mapping:
             _append(mapping, section, _chain([*sections[depth + 1:], name], value), separate=depth == 0)
+            return "added"
+        if mapping[section] is None:
+            _fill(mapping, section, _chain([*sections[depth + 1:], name], value), allowed)
             return "added"
         if not isinstance(mapping[section], CommentedMap):
             where = ".".join(sections[: depth + 1])
@@ -297,10 +484,39 @@ def _set(root: CommentedMap, key: str, value: Any, allowed: set[int]) -> str | N
     if isinstance(existing, CommentedSeq) and isinstance(value, list | tuple):
         for index in range(len(existing)):
             allowed.add(existing.lc.item(index)[0])
-        existing[:] = list(value)  # in place: its comments and flow style stay
+        _replace_items(existing, value)
     else:
         mapping[name] = _node(value)
     return "changed"
+
+
+def _replace_items(sequence: CommentedSeq, value: Sequence[Any]) -> None:
+    """Set the items of ``sequence`` to ``value`` one by one, in place: its flow style and each item's comment
+    (``- 60   # high``) stay (a slice assignment drops them); extra items are added or removed at its end."""
+    for index, item in enumerate(value[: len(sequence)]):
+        sequence[index] = item
+    del sequence[len(value):]
+    sequence.extend(value[len(sequence):])
+
+
+def _fill(mapping: CommentedMap, name: str, value: CommentedMap, allowed: set[int]) -> None:
+    """Give the empty section ``name`` (``engine:`` with nothing under it, or ``engine: ~``) its first entries where
+    it is: no blank line added; its line (``~`` dropped) keeps its end-of-line comment, and the comment lines that
+    followed it (about what comes next) move below the new entries."""
+    position = _key_position(mapping, name)
+    if position is not None:
+        allowed.add(position[0])
+    mapping[name] = value
+    slot = mapping.ca.items.get(name)
+    token = slot[2] if slot and len(slot) > 2 else None
+    if token is None:
+        return
+    keep, move = _split_trailing(token.value, 0 if position is None else position[1])
+    if not move:
+        return
+    token.value = keep
+    holder, last = _last_entry(value)
+    holder.ca.items[last] = [None, None, CommentToken(move, token.start_mark, None), None]
 
 
 def _chain(names: list[str], value: Any) -> CommentedMap:
@@ -451,6 +667,27 @@ def _check_confined(old: str, new: str, allowed: set[int], added: bool, file: st
                              f"keys by hand")
 
 
+def _comments(text: str) -> Counter[str]:
+    """The comment of each line of ``text`` (from a ``#`` that starts the line or follows a space)."""
+    found: Counter[str] = Counter()
+    for line in text.splitlines():
+        match = COMMENT.search(line)
+        if match is not None:
+            found[match.group(1).rstrip()] += 1
+    return found
+
+
+def _check_comments_kept(old: str, new: str, file: str) -> None:
+    """Refuse an edit that lost a comment of the original: comments are the operator's."""
+    lost = _comments(old) - _comments(new)
+    if not lost:
+        return
+    comment = next(iter(lost))
+    line = next(index for index, text in enumerate(old.splitlines()) if text.rstrip().endswith(comment))
+    raise AdviceRejected(f"{file}: the edit would drop the comment {comment!r} (line {line + 1}); set the advised "
+                         f"keys by hand")
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
@@ -478,21 +715,37 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def pending_changes(path: str | os.PathLike[str], advice: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def recommendations_of(advice: Any) -> list[Recommendation]:
+    """The recommendations of a result's ``advice`` (JSON); ValueError naming the entry when it is not a list of
+    recommendations."""
+    if not isinstance(advice, list | tuple):
+        raise ValueError(f"the advice must be a list of entries, got {type(advice).__name__}")
+    recommendations = []
+    for index, entry in enumerate(advice):
+        try:
+            recommendations.append(Recommendation.from_dict(entry))
+        except ValueError as exc:
+            raise ValueError(f"advice entry {index + 1}: {exc}") from None
+    return recommendations
+
+
+def pending_changes(path: str | os.PathLike[str], advice: Any) -> dict[str, Any]:
     """What a saved result's ``advice`` entries change in the config at ``path`` as it is now (not as it was when
-    the run measured it): ``appliance benchmark --apply`` and the admin page's Apply both write this. A file the
-    config loader refuses raises :class:`AdviceRejected`; an entry that is not a recommendation, ValueError."""
+    the run measured it): ``appliance benchmark --apply`` and the admin page's Apply both write this. The result is
+    untrusted: an entry whose key the advice never sets is refused (:class:`AdviceRefused`) even where it would change
+    nothing; the values are checked when written (:func:`apply_changes`). A file the config loader refuses raises
+    :class:`AdviceRejected`; advice that is not a list of recommendations, ValueError."""
+    given = recommendations_of(advice)
     try:
         current = current_settings(load_config(path, check_files=False))
     except ConfigInvalid as exc:
         raise AdviceRejected(f"{path} is invalid now, nothing applied: {exc.problems[0]}") from None
     recommendations = []
-    for index, entry in enumerate(advice):
-        try:
-            recommendation = Recommendation.from_dict(entry)
-        except ValueError as exc:
-            raise ValueError(f"advice entry {index + 1}: {exc}") from None
-        if recommendation.key in current:
+    for index, recommendation in enumerate(given):
+        if recommendation.key is not None:
+            problem = key_refusal(recommendation.key)
+            if problem is not None:
+                raise AdviceRefused(recommendation.key, f"advice entry {index + 1}: {problem}; nothing applied")
             recommendation = replace(recommendation, current=current[recommendation.key])
         recommendations.append(recommendation)
     return changes(recommendations)

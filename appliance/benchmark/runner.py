@@ -51,6 +51,7 @@ from appliance.benchmark.session import (
 from appliance.client.lines import request as line_request
 from appliance.config.types import Config, ModelConfig
 from appliance.config.validate import ConfigInvalid, load_config
+from appliance.daemon import statefiles
 from appliance.daemon.adaptive import usable_cores
 from appliance.daemon.core import physical_memory
 from appliance.engine.gguf_meta import estimate, read_model_shape
@@ -445,9 +446,7 @@ def result_name(finished_at: float) -> str:
 
 
 def save(result: Mapping[str, Any], path: Path) -> None:
-    """Write the result as JSON, atomically (a reader never sees half a file)."""
+    """Write the result as JSON, atomically (a reader never sees half a file; a full disk leaves no partial one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=1))
-    os.replace(partial, path)
+    statefiles.write_atomically(path, json.dumps(result, indent=1).encode())
 

@@ -20,6 +20,8 @@ from typing import Any
 
 DATA_DIR_PREFIX = "{data_dir}"
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+HOST_NAME = re.compile(r"(?:[A-Za-z0-9_*](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\])", re.ASCII)
+"""A name ``http.allowed_hosts`` may hold: a DNS name (``*.`` for its subdomains), an IPv4 or a bracketed IPv6."""
 
 # Size units, lower-cased: K, M, G, T are powers of 1000; Ki, Mi, Gi, Ti powers of 1024; a trailing B is optional.
 _UNITS: dict[str, int] = {
@@ -183,6 +185,17 @@ def _to_paths(value: Any) -> tuple[Path, ...]:
     return tuple(paths)
 
 
+def _to_hosts(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of host names (got {show(value)})")
+    hosts = []
+    for item in value:
+        if not isinstance(item, str) or not HOST_NAME.fullmatch(item.strip()):
+            raise ValueError(f"each item must be a host name or address, without port or scheme (got {show(item)})")
+        hosts.append(item.strip().lower())
+    return tuple(hosts)
+
+
 def _to_vram(value: Any) -> int | None:
     """``auto`` (None: estimate from the GGUF metadata) or a size."""
     if value == "auto":
@@ -227,6 +240,7 @@ VRAM = Kind("`auto` or size", _to_vram)
 DEVICE = Kind("device", parse_device)
 MODE = Kind("octal mode", parse_mode, text=True)
 PAIR = Kind("two integers", _to_pair)
+HOSTS = Kind("list of host names", _to_hosts)
 AUTO_COUNT = Kind("`auto` or integer", _to_auto_count)
 
 
@@ -260,6 +274,7 @@ class Setting:
     nullable: bool = False
     live: bool = True
     check: Callable[[Any], str | None] | None = None
+    secret: bool = False  # never shown: not in messages, logs, dumps or pages (:mod:`appliance.config.secrets`)
 
     @property
     def name(self) -> str:
@@ -423,9 +438,14 @@ SETTINGS: tuple[Setting, ...] = (
         "Host RAM for parked agents' KV state; `auto` = a quarter of physical RAM.",
     ),
     Setting(
-        "agent_idle_ttl_s", FLOAT, 0,
-        "Unregister an agent that has not decoded for this long; 0 = never.",
+        "agent_idle_ttl_s", FLOAT, 86400,
+        "Unregister an agent that has not decoded for this long (default: a day); 0 = never.",
         minimum=0, maximum=31536000,
+    ),
+    Setting(
+        "max_agents", INT, 1024,
+        "Registered agents, all surfaces together; one more is refused with TOO_MANY_AGENTS.",
+        minimum=1, maximum=1000000,
     ),
     Setting(
         "shutdown_grace_s", FLOAT, 10,
@@ -463,8 +483,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("http.port", INT, 8080, "TCP port; 0 = any free port. A reload rebinds it.", minimum=0, maximum=65535),
     Setting(
         "http.api_token", STR, None,
-        "Bearer token HTTP requests must carry; null = none (loopback only).",
-        nullable=True,
+        "Bearer token HTTP requests must carry; null = none (loopback only). Secret: never shown or logged.",
+        nullable=True, secret=True,
+    ),
+    Setting(
+        "http.allowed_hosts", HOSTS, [],
+        "Host names HTTP requests may address besides loopback names and addresses, http.host and the address a "
+        "request arrived on (a `Host` header naming anything else is refused: DNS rebinding); `*.example.com` "
+        "allows its subdomains, `*` any name (turns the check off: only behind a proxy that checks it).",
     ),
     Setting(
         "http.keep_alive_timeout_s", FLOAT, 5,
@@ -512,7 +538,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "engine.threads", INT, 0,
         "Thread count of every context: N pins it; 0 = chosen by the adaptive engine from the CPU the process can "
-        "get (at most 4), or min(4, cores) with `engine.adaptive: false`. A reload applies it.",
+        "get (at most 4), or min(4, cores) with `engine.adaptive: false`. A reload applies it. Never more than the "
+        "cores the process may use (a larger N is cut to them, with a warning; TUNE refuses it).",
         minimum=0, maximum=1024,
     ),
     Setting(

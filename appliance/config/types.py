@@ -48,6 +48,7 @@ class HttpConfig:
     host: str
     port: int
     api_token: str | None
+    allowed_hosts: tuple[str, ...]
     keep_alive_timeout_s: float
 
 
@@ -87,6 +88,7 @@ class Config:
     max_tasks_per_connection: int
     host_kv_budget: int | None  # None = auto (a quarter of physical RAM)
     agent_idle_ttl_s: float  # 0 = agents never expire
+    max_agents: int
     shutdown_grace_s: float  # SIGTERM: how long running requests may still take
     engine: EngineConfig
     models: tuple[ModelConfig, ...]

@@ -35,7 +35,7 @@ from yaml.events import (
 )
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from appliance.config import schema
+from appliance.config import schema, secrets
 from appliance.config.diff import ConfigDiff, diff
 from appliance.config.schema import parse_size, render_docs, show
 from appliance.config.types import Config, EngineConfig, HttpConfig, ModelConfig, SocketConfig, TinySpec
@@ -148,7 +148,7 @@ def _is_null(node: Node) -> bool:
 
 MAX_NUMBER_DIGITS = 30
 """A number written with more digits is refused before it is converted (no setting needs more than 20)."""
-_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS)
+_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS, schema.HOSTS)
 _NUMBER = re.compile(r"[-+]?[0-9_]*\.?[0-9_]*(?:[eE][-+]?[0-9]+)?[A-Za-z]*")
 
 
@@ -214,6 +214,13 @@ def _unknown(key: str, names: list[str]) -> str:
         if known.name == key:
             return f"unknown key '{key}' (it belongs at '{known.key}')"
     return f"unknown key '{key}'"
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Why a value was refused (the problem's message)."""
+
+    message: str
 
 
 class _Validator:
@@ -306,24 +313,31 @@ class _Validator:
         return items
 
     def value(self, setting: schema.Setting, node: Node, where: str) -> Any:
-        """The converted value of ``setting`` from its ``node``, or ``_BAD`` (reported)."""
+        """The converted value of ``setting`` from its ``node``, or ``_BAD`` (reported; a secret setting's problem
+        never shows its value: :func:`appliance.config.secrets.hidden_value`)."""
+        why = self._refusal(setting, node)
+        if isinstance(why, _Refused):
+            message = secrets.hidden_value(why.message) if setting.secret else why.message
+            self.report(where, node, message)
+            return _BAD
+        return why
+
+    def _refusal(self, setting: schema.Setting, node: Node) -> Any:
+        """The converted value, or a :class:`_Refused` saying why there is none."""
         non_ascii = _non_ascii_digit(node)
         if non_ascii is not None:
-            self.report(where, node, f"digits must be ASCII 0-9 (got {non_ascii!r})")
-            return _BAD
+            return _Refused(f"digits must be ASCII 0-9 (got {non_ascii!r})")
         digits = 0 if setting.kind in _TEXT_KINDS else _longest_number(node)
         if digits > MAX_NUMBER_DIGITS:
-            self.report(where, node, f"number too large ({digits} digits; limit {MAX_NUMBER_DIGITS})")
-            return _BAD
+            return _Refused(f"number too large ({digits} digits; limit {MAX_NUMBER_DIGITS})")
         try:
             return self._convert(setting, node)
         except ValueError as exc:
-            self.report(where, node, str(exc))
+            return _Refused(str(exc))
         except OverflowError:
-            self.report(where, node, f"number too large (got {len(str(node.value))} characters)")
+            return _Refused(f"number too large (got {len(str(node.value))} characters)")
         except yaml.YAMLError as exc:
-            self.report(where, node, f"unreadable value: {exc}")
-        return _BAD
+            return _Refused(f"unreadable value: {exc}")
 
     def _convert(self, setting: schema.Setting, node: Node) -> Any:
         raw = self._yaml.construct_object(node, deep=True)

@@ -116,9 +116,19 @@ class AdaptiveLoop:
             hot_pool_slack=engine.hot_pool_slack,
             plan_boundaries=engine.plan_boundaries,
             thread_idle_thresholds=engine.thread_idle_thresholds,
-            fixed_threads=engine.threads or self.daemon.engine.n_threads,
+            fixed_threads=self.fixed_threads(engine.threads),
             pinned_threads=engine.threads > 0,
         )
+
+    def fixed_threads(self, configured: int) -> int:
+        """``engine.threads`` (0: the engine's default count), never more than the usable cores (logged when cut:
+        more threads than cores only make every decode wait for the slowest)."""
+        wanted = configured or self.daemon.engine.n_threads
+        if wanted <= self.cores:
+            return wanted
+        log.warning("engine.threads: %d threads asked, %d usable cores: decoding with %d", wanted, self.cores,
+                    self.cores)
+        return self.cores
 
     def tuner(self, model: Model) -> Tuner:
         """``model``'s tuner (made on first use, with the current settings)."""

@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +74,7 @@ from appliance.engine.interface import (
 from appliance.engine.slots import ColdNeeded
 from appliance.engine.worker import DEFAULT_QUEUE
 from appliance.errors import ApplianceError
+from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +325,9 @@ class Daemon:
         self.errors: collections.Counter[tuple[str, str]] = collections.Counter()  # P4 errors sent: (surface, code)
         self.connections: collections.Counter[str] = collections.Counter()  # socket connections by protocol
         self.physical_memory = physical_memory()
-        self.closing = False
+        self.closing = False  # a graceful stop began: new requests get SHUTTING_DOWN
+        self.grace_over = False  # its grace ran out: requests accepted before it end with SHUTTING_DOWN too
+        self.accepted = 0  # generation requests accepted and not answered yet (loading their model, queued, running)
         self.on_change: Callable[[], None] | None = None  # models loaded or unloaded (registry file, C4)
         self.reports: dict[str, Callable[[], Any]] = {}  # other parts' figures for STATUS
         self.on_reload: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # RELOAD: the supervisor's reload
@@ -599,11 +602,24 @@ class Daemon:
 
     # -- agents ----------------------------------------------------------------------------------
     async def register(self, agent_id: str, ref: str, owner: object | None = None) -> Agent:
+        """Register ``agent_id`` on the model ``ref`` (loaded if need be). Every surface checks the id
+        first; this is the last line of defence: an id outside the one rule (:mod:`appliance.protocol.identifiers`) is
+        BAD_REQUEST, one agent more than ``max_agents`` (all owners, registrations in progress included) is
+        TOO_MANY_AGENTS; the agents already registered are not touched."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
+        problem = agent_id_problem(agent_id)
+        if problem is not None:
+            raise ApplianceError("BAD_REQUEST", f"agent id {problem}",
+                                 {"agent": str(agent_id)[:80], "rule": AGENT_ID_RULE})
         if agent_id in self.agents or agent_id in self._claimed:
             raise ApplianceError("AGENT_EXISTS", f"agent {agent_id!r} is already registered",
                                  {"agent": agent_id})
+        limit = self.config.max_agents
+        if len(self.agents) + len(self._claimed) >= limit:
+            raise ApplianceError("TOO_MANY_AGENTS", f"the appliance holds {limit} agents (max_agents): one must be "
+                                                    "unregistered, or expire (agent_idle_ttl_s), first",
+                                 {"max_agents": limit})
         self._claimed.add(agent_id)
         try:
             model = self.resolve(ref)
@@ -680,35 +696,48 @@ class Daemon:
     async def decode(self, agent_id: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
                      on_token: Callable[[Token], None] | None = None,
                      cancel: threading.Event | None = None) -> DecodeResult:
-        agent = self.agent(agent_id)
-        async with agent.lock:
-            if self.agents.get(agent_id) is not agent:
-                raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
-            agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
-            try:
-                return await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
-                                       on_token, cancel, queue=("agent", agent_id))
-            finally:
-                agent.last_used = self.clock()
+        with self._accept():
+            agent = self.agent(agent_id)
+            async with agent.lock:
+                if self.agents.get(agent_id) is not agent:
+                    raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+                agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
+                try:
+                    return await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
+                                           on_token, cancel, queue=("agent", agent_id))
+                finally:
+                    agent.last_used = self.clock()
 
     async def complete(self, ref: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
                        on_token: Callable[[Token], None] | None = None,
                        cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
         """A stateless request (HTTP, MAGN without a session): a fresh conversation every time. ``queue`` is the
         engine queue it waits in (its connection; default: one queue for the model's stateless requests)."""
+        with self._accept():
+            model = self.resolve(ref)
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
+                                       ephemeral=True, queue=("stateless", model.key) if queue is None else queue)
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
+
+    @contextlib.contextmanager
+    def _accept(self) -> Iterator[None]:
+        """One generation request (:meth:`decode`, :meth:`complete`) from its arrival to its answer: refused with
+        SHUTTING_DOWN once a graceful stop began, else counted in :attr:`accepted` until it ends, so that the
+        stop's grace covers it while it waits for its model to load, for its agent or for a sequence."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
-        model = self.resolve(ref)
-        model.inflight += 1
+        self.accepted += 1
         try:
-            await self.acquire(model)
-            return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
-                                   ephemeral=True, queue=("stateless", model.key) if queue is None else queue)
+            yield
         finally:
-            model.inflight -= 1
-            model.last_used = self.clock()
-            if policy.unload_retired(model.view()):
-                self._settle_retired(model)
+            self.accepted -= 1
 
     async def _run(self, model: Model, conv: Conversation, agent: Agent | None, n_tokens: int,
                    prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
@@ -718,8 +747,8 @@ class Daemon:
         thread (``queue`` is the engine queue it waits in: an agent's decodes, a connection's stateless requests)
         once a sequence is free for it, then let the model's step loop decode it together with the others
         (SPEC L9) until it ends. The start reads the model's runtime when it runs: a reload queued before it may
-        have replaced the runtime."""
-        if self.closing:
+        have replaced the runtime. Accepted before a graceful stop began, it still runs until the grace is over."""
+        if self.grace_over:
             raise ApplianceError("SHUTTING_DOWN")
         if model.runtime is None:
             raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
@@ -1018,12 +1047,27 @@ class Daemon:
 
     def replaced_files(self) -> list[str]:
         """The loaded models whose file on disk is no longer the one they were loaded from (replaced in place:
-        the config did not change); a reload (SIGHUP) reloads them."""
+        the config did not change), listed or registered by path; a reload (SIGHUP) reloads them. A retired model
+        is not one: it unloads once unused."""
         replaced: list[str] = []
         for name, model in self.models.items():
-            if model.runtime is not None and model.file is not None and file_identity(model.path) != model.file:
+            if model.retired or model.runtime is None or model.file is None:
+                continue
+            if file_identity(model.path) != model.file:
                 replaced.append(name)
         return replaced
+
+    def reload_spec(self, name: str) -> ModelConfig:
+        """The spec :meth:`reload_model` reloads ``name`` with: its spec in the current config, or, for a model
+        registered by its path (in no config, and not retired), the spec it was registered with."""
+        spec = self.config.model(name)
+        if spec is not None:
+            return spec
+        model = self.models.get(name)
+        if model is not None and not model.retired:
+            return model.spec
+        raise ApplianceError("UNKNOWN_MODEL", f"no model named {name!r}",
+                             {"model": name, "known": [m.name for m in self.config.models]})
 
     def models_to_reload(self) -> list[str]:
         """The models whose loaded runtime no longer matches the config (a file or context setting changed):
@@ -1037,17 +1081,15 @@ class Daemon:
         return stale
 
     async def reload_model(self, name: str) -> str:
-        """Reload the model ``name`` with its spec in the current config (its file or context settings changed,
-        or its file was replaced). Not loaded: its next load uses the new spec. Loaded: estimate, trial-check and
-        admit the new figure under :func:`reload_key` while the old runtime serves, load, then swap in one engine
-        job (:meth:`_install`). Any failure leaves the old runtime serving and the ledger as it was, and raises
-        its :class:`ApplianceError`. Returns one line saying what happened."""
+        """Reload the model ``name`` with its spec in the current config, or its own for a model registered by
+        path (:meth:`reload_spec`; its file or context settings changed, or its file was replaced). Not loaded:
+        its next load uses the new spec. Loaded: estimate, trial-check and admit the new figure under
+        :func:`reload_key` while the old runtime serves, load, then swap in one engine job (:meth:`_install`).
+        Any failure leaves the old runtime serving and the ledger as it was, and raises its
+        :class:`ApplianceError`. Returns one line saying what happened."""
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
-        spec = self.config.model(name)
-        if spec is None:
-            raise ApplianceError("UNKNOWN_MODEL", f"no model named {name!r}",
-                                 {"model": name, "known": [m.name for m in self.config.models]})
+        spec = self.reload_spec(name)
         model = self.models.get(name)
         if model is None:
             return f"{name} is not loaded: its next load uses the new settings"
@@ -1207,7 +1249,10 @@ class Daemon:
         return len(self._running)
 
     def cancel_running(self) -> None:
-        """Stop every running generation at its next token (SHUTTING_DOWN for its client while ``closing``)."""
+        """End the grace: stop every running generation at its next token (SHUTTING_DOWN for its client while
+        ``closing``); an accepted request that has not started yet (its model still loading) gets SHUTTING_DOWN
+        when it would start."""
+        self.grace_over = True
         for cancel in list(self._running):
             cancel.set()
 

@@ -1,14 +1,13 @@
 """The registry file (SPEC C4): model name -> socket path, HTTP endpoint and state, under the state dir.
 
-The daemon rewrites it (atomically) when it starts and whenever models change; the CLI reads it to find
-the daemon.
+The daemon rewrites it (atomically, never failing a request: :mod:`appliance.daemon.statefiles`) when it starts
+and whenever models change; the CLI reads it to find the daemon.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,14 +31,9 @@ def document(config: Config, daemon: Daemon, http_url: str | None) -> dict[str, 
             "socket": socket_path, "http": http_url, "models": models}
 
 
-def write(state_dir: Path, doc: dict[str, Any]) -> Path:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    target = path(state_dir)
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".registry.", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2)
-    os.replace(tmp, target)
-    return target
+def encode(doc: dict[str, Any]) -> bytes:
+    """The file's bytes; the daemon writes them through :class:`~appliance.daemon.statefiles.StateFiles`."""
+    return json.dumps(doc, indent=2).encode()
 
 
 def read(state_dir: Path) -> dict[str, Any] | None:

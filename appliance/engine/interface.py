@@ -26,15 +26,85 @@ StopReason = Literal["eos", "length", "stop", "cancelled"]
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar a sequence's output must follow (llama.cpp's grammar sampler, in that sequence's own chain).
+
+    Lazy when it has triggers: the output is free until it matches one of ``trigger_patterns`` (regexes, as
+    ``llama_sampler_init_grammar_lazy_patterns`` takes them: the grammar applies from the match's first group on, or
+    the whole match) or produces one of ``trigger_tokens`` (the texts of single tokens, such as ``<tool_call>``;
+    the runtime resolves them to ids in its vocabulary). Tool calls with ``tool_choice: auto`` use a lazy one."""
+
+    gbnf: str
+    root: str = "root"
+    trigger_patterns: tuple[str, ...] = ()
+    trigger_tokens: tuple[str, ...] = ()
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.trigger_patterns or self.trigger_tokens)
+
+
+@dataclass(frozen=True)
 class Sampling:
+    """How one request samples (its own chain in a batch): llama.cpp's samplers with these settings. Defaults
+    change nothing (no penalty, no bias, no grammar, no log-probabilities)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 40
     seed: int = 0
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0  # llama.cpp's: 1.0 = off
+    frequency_penalty: float = 0.0  # OpenAI's: 0.0 = off
+    presence_penalty: float = 0.0  # OpenAI's: 0.0 = off
+    penalty_last_n: int = 64  # the penalties look at this many last tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: Grammar | None = None
+    logprobs: int | None = None  # None: none; N >= 0: each token's log-probability and its N likeliest alternatives
 
 
 GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt with control tokens: ``pieces`` of (text, special) in order. ``special`` pieces are a chat
+    template's own text, where the texts of control tokens (``<|im_start|>``) become those tokens; the other pieces
+    (message content) never become one, whatever they hold. A plain ``str`` prompt is raw text, without control
+    tokens (the line protocol's DECODE).
+
+    ``history``: the prompt is the conversation's whole text (an OpenAI chat re-sends the history every turn): the
+    conversation keeps the longest common token prefix of what it holds and this prompt, and evaluates the rest."""
+
+    pieces: tuple[tuple[str, bool], ...]
+    history: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.pieces)
+
+
+PromptText = str | Prompt
+"""What a request's prompt may be: raw text, or a :class:`Prompt`."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its log-probability (natural log, from the model's raw logits before any sampler)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and its likeliest alternatives (most likely first), when the request
+    asked for them (``Sampling.logprobs``)."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +117,7 @@ class Generation:
     ttft_s: float | None
     prompt_evaluated: int | None = None  # tokens evaluated before the first new one (shared prefixes skip some)
     reused: int = 0  # prompt cells borrowed from another conversation (a shared prefix)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per generated token, when the request asked for them
 
     @property
     def generated_tokens(self) -> int:
@@ -65,6 +136,7 @@ class Token:
     text: str
     index: int
     timestamp: float
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(eq=False)

@@ -7,14 +7,17 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
+from h11._readers import ChunkedReader
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -24,7 +27,9 @@ from uvicorn.server import ServerState
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.assets import web_dir
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
-from appliance.http.security import Guard
+from appliance.http.openai_schema import MAX_BODY_BYTES
+from appliance.http.security import Guard, shown
+from appliance.protocol import paging
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -43,20 +48,27 @@ def health_document(appliance: Appliance) -> dict:
     elif any(m["state"] == "loading" for m in models):
         status = "loading"
     config = appliance.config_report()
+    reasons: list[str] = []
     problem: dict[str, Any] = {}
     if config["status"] == "invalid":  # the file on disk: the appliance goes on with its last valid config
+        reasons.append(f"{config['file']} is invalid: {config['path'] or 'file'}: {config['reason']}")
+        problem["line"] = config["line"]
+    state_files = [found.to_dict() for found in appliance.state_files.problems()]  # retried until written
+    reasons.extend(found["reason"] for found in state_files)
+    if reasons:
         status = "degraded"
-        problem = {"reason": f"{config['file']} is invalid: {config['path'] or 'file'}: {config['reason']}",
-                   "line": config["line"]}
+        problem = {"reason": "; ".join(reasons), **problem}
     snapshot = daemon.snapshot() if daemon else {}
-    return {"status": status, **problem, "config": config, "models": models,
+    parked = [{"id": a["id"], "model": a["model"], "bytes": a["state_bytes"]}
+              for a in snapshot.get("agents", []) if a["state"] == "host"]
+    return {"status": status, **problem, "config": config, "state_files": state_files, "models": models,
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
             "warming": sorted(daemon.adaptive.warming) if daemon else [],  # models whose warm-up runs now (E5)
             "engine": snapshot.get("engine"), "contexts": snapshot.get("contexts", []),
-            "parked_agents": [{"id": a["id"], "model": a["model"], "bytes": a["state_bytes"]}
-                              for a in snapshot.get("agents", []) if a["state"] == "host"],
+            "parked_agents": parked[:paging.HEALTH_PARKED_AGENTS],  # the first ones: STATUS agents pages them all
+            "parked_agents_total": len(parked),
             "socket": str(appliance.config.socket.path),
             "version": appliance.version}
 
@@ -74,6 +86,13 @@ async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
                           request)
 
 
+async def client_disconnected(request: Request, exc: Exception) -> JSONResponse:
+    """The client went away before its request body arrived whole (an aborted upload, a broken chunked body): its
+    failure, not the daemon's, so ``BAD_REQUEST`` (sent to nobody), never a logged ``INTERNAL``."""
+    return error_response(ApplianceError("BAD_REQUEST", "the client disconnected before its request body arrived",
+                                         {"path": request.url.path}), request)
+
+
 async def not_found(request: Request, exc: Exception) -> JSONResponse:
     return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}),
                           request)
@@ -88,6 +107,7 @@ EXCEPTION_HANDLERS = {
     404: not_found,
     405: method_not_allowed,
     ApplianceError: appliance_error,
+    ClientDisconnect: client_disconnected,
     Exception: unexpected_error,
 }
 
@@ -98,14 +118,16 @@ async def health(request: Request) -> JSONResponse:
 
 def create_app(appliance: Appliance) -> Starlette:
     """The HTTP app: health, the OpenAI-compatible API, metrics, the admin page and its static files, behind the
-    :class:`~appliance.http.security.Guard` (API token, cross-origin and CSRF checks)."""
+    :class:`~appliance.http.security.Guard` (host allow-list, API token, cross-origin and CSRF checks)."""
     from appliance.http import admin, metrics, openai
+    from appliance.http.admin.login import LoginThrottle
 
     routes = [Route("/v1/health", health), *openai.routes, *metrics.routes, *admin.routes,
               Mount("/static", StaticFiles(directory=web_dir()), name="static")]
     middleware = [Middleware(Guard, appliance=appliance)]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     app.state.appliance = appliance
+    app.state.login_throttle = LoginThrottle(time.monotonic)  # wrong admin logins, for this app's lifetime
     metrics.attach(appliance)  # request metrics from the start, not from the first scrape
     return app
 
@@ -114,13 +136,52 @@ CLOSE_GRACE_S = 2.0
 """How long a stopping server waits for HTTP requests in progress."""
 
 
+class BodyLimitedConnection(h11.Connection):
+    """h11's server side of a connection, refusing a body chunk larger than ``max_chunk_bytes`` as soon as its size
+    line is parsed (h11 takes up to 20 hex digits and would wait for that many bytes), and keeping why it refused a
+    request (:attr:`refusal`) for :meth:`GuardedH11Protocol.send_400_response`."""
+
+    def __init__(self, max_chunk_bytes: int, max_incomplete_event_size: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.refusal: ApplianceError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.refusal = ApplianceError("BAD_REQUEST", "the request is not valid HTTP/1.1",
+                                          {"reason": shown(str(exc))})
+            raise
+        declared = self.chunk_bytes_owed()
+        if isinstance(event, h11.Data) and event.chunk_start:
+            declared += len(event.data)  # the chunk's size, of which this much came with its size line
+        if declared > self.max_chunk_bytes:
+            self.refusal = ApplianceError(
+                "BAD_REQUEST", f"a request body chunk of {declared} bytes is larger than the largest body accepted "
+                               f"({self.max_chunk_bytes} bytes)",
+                {"chunk_bytes": declared, "max_body_bytes": self.max_chunk_bytes})
+            raise h11.RemoteProtocolError(self.refusal.message)
+        return event
+
+    def chunk_bytes_owed(self) -> int:
+        """The bytes h11's chunked reader still expects of the current chunk; 0 when no chunked body is being read.
+        h11 has no public accessor for it."""
+        reader = self._reader
+        if isinstance(reader, ChunkedReader):
+            return reader._bytes_in_chunk
+        return 0
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 connection with the appliance's limits (one instance per HTTP connection):
 
     * ``max_connections`` counts HTTP and socket connections together: one over it gets a P4
-      ``TOO_MANY_CONNECTIONS`` (503) once its request head arrived, and is closed; it is not counted meanwhile;
+      ``TOO_MANY_CONNECTIONS`` (429) once its request head arrived, and is closed; it is not counted meanwhile;
     * a request once started (and a connection's first one, from its accept) must arrive whole within
       ``socket.request_timeout_s`` (uvicorn has no header timeout: a slow-dribbling client would hold its slot);
+    * a request h11 cannot parse, or with a body chunk larger than the largest body accepted
+      (:data:`~appliance.http.openai_schema.MAX_BODY_BYTES`), gets a P4 ``BAD_REQUEST`` at once, its body unread;
     * an idle keep-alive connection closes after ``http.keep_alive_timeout_s`` (uvicorn's timer, set per
       connection from the current config).
     """
@@ -128,6 +189,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        self.conn = BodyLimitedConnection(MAX_BODY_BYTES, self.conn._max_incomplete_event_size)
         self.appliance: Appliance = config.app.state.appliance  # type: ignore[attr-defined]
         self.timeout_keep_alive = self.appliance.config.http.keep_alive_timeout_s
         self.refused = False
@@ -169,14 +231,32 @@ class GuardedH11Protocol(H11Protocol):
         if not isinstance(event, h11.Request):
             return  # the head is not in yet
         limit = self.appliance.config.max_connections
-        error = ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {limit} clients",
-                               {"max_connections": limit})
+        self._answer_and_close(ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {limit} clients",
+                                              {"max_connections": limit}))
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (uvicorn's own answer is plain text) gets the P4 ``BAD_REQUEST``, then the
+        close; one refused mid-body (:class:`BodyLimitedConnection`) too, and its route, if it runs, sees its client
+        gone (it may send nothing more)."""
+        assert isinstance(self.conn, BodyLimitedConnection)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self._answer_and_close(self.conn.refusal or ApplianceError("BAD_REQUEST", "the request is not valid HTTP/1.1"))
+
+    def _answer_and_close(self, error: ApplianceError) -> None:
+        """Answer ``error`` as its P4 JSON response outside any ASGI request, and close the connection."""
         body = json.dumps(error_body(error)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
-        self.transport.write(self.conn.send(h11.Response(status_code=error.http_status, headers=headers)))
-        self.transport.write(self.conn.send(h11.Data(data=body)))
-        self.transport.write(self.conn.send(h11.EndOfMessage()))
+                   (b"connection", b"close")]
+        if error.retryable and error.http_status in (429, 503):
+            headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # else a response has started: just close
+            reason = HTTPStatus(error.http_status).phrase.encode()  # h11 would send none
+            self.transport.write(self.conn.send(h11.Response(status_code=error.http_status, headers=headers,
+                                                             reason=reason)))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()
 
     def _arm_request_timer(self) -> None:

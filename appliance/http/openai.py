@@ -8,13 +8,14 @@ plain or streamed as server-sent events. Requests and responses are checked and 
   ``data: {"error": ...}`` event).
 * **Stateless or an agent.** Without ``user`` (or an ``X-Agent-Id`` header, which wins) a request runs on a fresh
   context in its connection's engine queue. With one, it runs in that agent's conversation, registered on first use
-  (owner none: it outlives the connection; ``agent_idle_ttl_s`` expires it). The client re-sends the whole history
-  every turn; :class:`AgentTexts` keeps, per agent, the text its conversation holds (prompts and completions), and
-  only the new suffix of the rendered prompt is decoded when the prompt starts with it. When it does not (the
-  client edited the history, or a stop string cut the last completion short of what the conversation holds), the
-  conversation is reset and the whole prompt evaluated. ``usage.prompt_tokens`` is OpenAI's total (every token of
-  the prompt the model saw); ``usage.prompt_tokens_details.cached_tokens`` is the part the conversation already
-  held, not evaluated again.
+  (owner none: it outlives the connection; ``agent_idle_ttl_s`` expires it; past ``max_agents`` a new one is 429
+  ``TOO_MANY_AGENTS``). ``user`` follows the agents' one rule (protocol.identifiers). The client re-sends the
+  whole history every turn; :class:`AgentTexts` keeps, per agent, the text its conversation holds (prompts and
+  completions), and only the new suffix of the rendered prompt is decoded when the prompt starts with it. When it does
+  not (the client edited the history, or a stop string cut the last completion short of what the conversation holds),
+  the conversation is reset and the whole prompt evaluated. ``usage.prompt_tokens`` is OpenAI's total (every token of
+  the prompt the model saw); ``usage.prompt_tokens_details.cached_tokens`` is the part the conversation already held,
+  not evaluated again.
 * **Cancel.** A client that disconnects, mid-stream or while it waits for a plain response, sets the generation's
   cancel event: the engine stops at its next token.
 """

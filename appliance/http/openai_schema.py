@@ -19,6 +19,7 @@ from typing import Any
 from appliance.engine.chat import Turn
 from appliance.engine.interface import Sampling, StopReason
 from appliance.errors import ApplianceError
+from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 from appliance.protocol.messages import MAX_CHAT_MESSAGES, MAX_ID_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -95,9 +96,18 @@ def text_field(value: Any, param: str) -> str:
 
 
 def identifier(value: Any, param: str) -> str:
-    """A name (model, agent): 1 to :data:`MAX_ID_CHARS` characters of valid Unicode."""
+    """A name (a model, a message's ``name``): 1 to :data:`MAX_ID_CHARS` characters of valid Unicode."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or has_surrogate(value):
         raise bad(param, f"{param} must be a string of 1 to {MAX_ID_CHARS} characters", max_chars=MAX_ID_CHARS)
+    return value
+
+
+def agent_id(value: Any, param: str) -> str:
+    """An agent's name (``user``, ``X-Agent-Id``): the agents' one rule (protocol.identifiers), so the agent
+    it registers can be named again on every surface."""
+    problem = agent_id_problem(value)
+    if problem is not None:
+        raise bad(param, f"{param} {problem}", rule=AGENT_ID_RULE, max_chars=MAX_AGENT_ID_CHARS)
     return value
 
 
@@ -304,7 +314,7 @@ def options(body: dict[str, Any], fields: frozenset[str], extras: Check) -> dict
             if value is not None:
                 boolean(value, f"stream_options.{key}")
         include_usage = stream_options.get("include_usage") is True
-    user = None if body.get("user") is None else identifier(body["user"], "user")
+    user = None if body.get("user") is None else agent_id(body["user"], "user")
     _no_n(body)
     _penalties(body)
     extras(body)
@@ -332,7 +342,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
 def agent_name(user: str | None, header: str | None) -> str | None:
     """The agent a request names: its ``X-Agent-Id`` header, else its ``user`` field, else none (stateless)."""
     if header is not None:
-        return identifier(header.strip(), "X-Agent-Id")
+        return agent_id(header.strip(), "X-Agent-Id")
     return user
 
 

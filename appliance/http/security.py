@@ -1,13 +1,25 @@
 """Who may use the HTTP surface (SPEC W5): :class:`Guard`, one ASGI middleware in front of every route.
 
+* **Host allow-list (DNS rebinding).** A request must address the appliance by a name it answers to, checked on
+  every path before anything else: a loopback name or address (``localhost``, ``*.localhost``, 127.0.0.0/8,
+  ``::1``), ``http.host`` itself (``0.0.0.0`` too: the URL the appliance advertises then), the IP address the
+  request arrived on (so a box bound to ``0.0.0.0`` answers to its own addresses; names need the next item), or a
+  name of ``http.allowed_hosts`` (``*.example.com``: its subdomains; ``*``: any name). Else 403 ``FORBIDDEN``: a
+  page on ``http://evil.example:PORT`` whose name an attacker rebound to 127.0.0.1 is same-origin for the browser,
+  and its requests carry ``Host: evil.example``. The port in ``Host`` is not compared. A ``Host`` that is no name
+  or address (with an optional port) is a 400 ``BAD_REQUEST``. A request without ``Host`` (HTTP/1.0; HTTP/1.1
+  requires one) is served as addressed to the address it arrived on: browsers always send ``Host``, so it cannot
+  come from a rebound page.
 * **API token.** With ``http.api_token`` set (required by the config for any non-loopback ``http.host``), every
   request must carry it: ``Authorization: Bearer <token>`` (API clients, Prometheus), or the session cookie that
   ``POST /admin/login`` sets after the token was typed into the login form (a browser). Both are compared in
   constant time; the token is never logged or echoed. Only the login form itself is reachable without it.
   Otherwise: 401 ``UNAUTHORIZED`` (a browser's GET of an admin page is sent to the login form instead).
-* **Cross-origin.** A state-changing request (POST, PUT, PATCH, DELETE) whose ``Origin`` is not this server's
-  own address, or that the browser marks ``Sec-Fetch-Site: cross-site``, is refused: 403 ``FORBIDDEN``. So a
-  web page elsewhere cannot drive the appliance through a visitor's browser, even with a plain form.
+* **Cross-origin.** A state-changing request (POST, PUT, PATCH, DELETE) is refused with 403 ``FORBIDDEN`` when
+  the browser marks it ``Sec-Fetch-Site: cross-site`` or its ``Origin`` is not ``http(s)://NAME:PORT`` with a
+  NAME the allow-list above accepts and the PORT this server listens on (or, behind a reverse proxy, the port the
+  request's own allowed ``Host`` names). So a web page elsewhere, even on another local port, cannot drive the
+  appliance through a visitor's browser. Clients that send no ``Origin`` (curl, SDKs) pass.
 * **CSRF token.** A state-changing admin request (under ``/admin/``) must also carry the page's CSRF token in
   the ``X-CSRF-Token`` header (the admin page's htmx sends it on every request); else 403 ``FORBIDDEN``.
 """
@@ -16,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -28,11 +42,150 @@ from appliance.http.errors import error_response
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
+    from appliance.config.types import HttpConfig
 
 SESSION_COOKIE = "appliance_session"
 CSRF_HEADER = "x-csrf-token"
 LOGIN_PATH = "/admin/login"
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+MAX_SHOWN_CHARS = 64
+"""A refused ``Host`` or ``Origin`` is echoed in the error's details cut to this many characters."""
+DEFAULT_PORTS = {"http": 80, "https": 443}
+UNSPECIFIED_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+"""``http.host`` values that bind every address: they name no host a request could address."""
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_DNS_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]{0,252})", re.ASCII)
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+
+
+def shown(text: str) -> str:
+    """Attacker-chosen ``text`` as an error may echo it: at most :data:`MAX_SHOWN_CHARS` characters."""
+    return text[:MAX_SHOWN_CHARS]
+
+
+@dataclass(frozen=True)
+class Authority:
+    """The ``name[:port]`` of a ``Host`` header or an ``Origin``: ``name`` lower-cased, without a trailing dot; an
+    IPv6 address in brackets (``[::1]``); ``port`` None when not given."""
+
+    name: str
+    port: int | None
+
+
+def parse_authority(text: str) -> Authority | None:
+    """``text`` (``name``, ``name:port``, ``[v6]`` or ``[v6]:port``) as an :class:`Authority`; None if it is
+    none (no name, an unbracketed IPv6, a port that is not 0-65535, characters no host name has)."""
+    text = text.strip().lower()
+    if text.startswith("["):
+        address, bracket, rest = text[1:].partition("]")
+        if not bracket or _v6(address) is None:
+            return None
+        name = f"[{address}]"
+    else:
+        name, _, port_text = text.partition(":")
+        rest = text[len(name):]
+        name = name.removesuffix(".")
+        if not _DNS_NAME.fullmatch(name) or ".." in name:
+            return None
+    if not rest:
+        return Authority(name, None)
+    port_text = rest.removeprefix(":")
+    if not rest.startswith(":") or not _PORT.fullmatch(port_text) or int(port_text) > 65535:
+        return None
+    return Authority(name, int(port_text))
+
+
+def _v6(text: str) -> ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.IPv6Address(text)
+    except ValueError:
+        return None
+
+
+def address_of(name: str) -> IPAddress | None:
+    """The IP address ``name`` spells (``127.0.0.1``, ``[::1]`` or ``::1``), an IPv4-mapped IPv6 as its IPv4;
+    None for a DNS name."""
+    text = name.removeprefix("[").removesuffix("]").split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def is_loopback(name: str) -> bool:
+    """``name`` is a loopback name (``localhost``, ``*.localhost``) or address (127.0.0.0/8, ``::1``)."""
+    address = address_of(name)
+    if address is not None:
+        return address.is_loopback
+    name = name.lower().removesuffix(".")
+    return name == "localhost" or name.endswith(".localhost")
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """The names requests may address (module docstring): loopback, ``bind`` (``http.host``) unless it is an
+    any-address bind, the address a request arrived on, and ``allowed`` (``http.allowed_hosts``, lower-cased)."""
+
+    bind: str
+    allowed: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, http: HttpConfig) -> HostRule:
+        return cls(http.host.lower(), http.allowed_hosts)
+
+    def allows(self, name: str, arrived_on: str | None = None) -> bool:
+        """``name`` (an :class:`Authority`'s) is one the appliance answers to; ``arrived_on``: the local address of
+        the request's connection."""
+        if "*" in self.allowed or is_loopback(name):
+            return True
+        address = address_of(name)
+        if address is not None:
+            arrived = address_of(arrived_on) if arrived_on else None
+            named = [address_of(entry) for entry in (self.bind, *self.allowed)]
+            return address == arrived or address in named
+        return name == self.bind or any(_matches(name, entry) for entry in self.allowed)
+
+    def refusal(self, host: str | None, arrived_on: str | None) -> ApplianceError | None:
+        """Why a request with this ``Host`` header is refused, or None (no header: see the module docstring)."""
+        if host is None:
+            return None
+        authority = parse_authority(host)
+        if authority is None:
+            return ApplianceError("BAD_REQUEST", "the Host header is not a host name or address with an optional "
+                                                 "port", {"host": shown(host)})
+        if self.allows(authority.name, arrived_on):
+            return None
+        hint = ""
+        if self.bind in UNSPECIFIED_HOSTS:
+            hint = f" (http.host {self.bind} answers to loopback and to the address a request arrives on, not to names)"
+        return ApplianceError("FORBIDDEN", "this appliance does not answer to that host name (DNS rebinding "
+                                           f"protection): add it to http.allowed_hosts in its config{hint}",
+                              {"host": shown(authority.name)})
+
+    def origin_allowed(self, origin: str, port: int | None, host: str | None, arrived_on: str | None) -> bool:
+        """``origin`` (an ``Origin`` header) names an allowed host (:meth:`allows`) and ``port``, the port this
+        server listens on, or the port of the request's own ``host`` (a reverse proxy's)."""
+        scheme, separator, rest = origin.partition("://")
+        default_port = DEFAULT_PORTS.get(scheme)
+        authority = parse_authority(rest) if separator and default_port is not None else None
+        if authority is None or not self.allows(authority.name, arrived_on):
+            return False
+        origin_port = authority.port or default_port
+        addressed = parse_authority(host) if host is not None else None
+        proxied = addressed is not None and addressed.name == authority.name and \
+            (addressed.port or default_port) == origin_port
+        return origin_port == port or proxied
+
+
+def _matches(name: str, entry: str) -> bool:
+    """``name`` matches an ``http.allowed_hosts`` entry: the same name, or a subdomain of ``*.domain``."""
+    if entry.startswith("*."):
+        return name.endswith(entry[1:]) and len(name) > len(entry) - 1
+    return name == entry.removesuffix(".")
 
 
 def session_value(secret: bytes, token: str) -> str:
@@ -57,17 +210,24 @@ def authorized(request: Request, token: str, secret: bytes) -> bool:
     return cookie is not None and hmac.compare_digest(cookie.encode(), session_value(secret, token).encode())
 
 
-def cross_origin(request: Request) -> bool:
-    """A browser says the request comes from another origin (``Origin`` that is not our ``Host``, the opaque
-    ``null`` origin, or ``Sec-Fetch-Site: cross-site``). Clients that send neither header (curl, SDKs) pass."""
+def local_address(scope: Scope) -> tuple[str | None, int | None]:
+    """The address and port the request's connection arrived on (uvicorn's ``server``)."""
+    server = scope.get("server")
+    if not server:
+        return None, None
+    return server[0], server[1]
+
+
+def cross_origin(request: Request, rule: HostRule) -> bool:
+    """A browser says the request comes from another origin (``Sec-Fetch-Site: cross-site``, the opaque ``null``
+    origin, or an ``Origin`` that :meth:`HostRule.origin_allowed` refuses). Clients that send neither pass."""
     if request.headers.get("sec-fetch-site") == "cross-site":
         return True
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    if origin == "null":
-        return True
-    return urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+    arrived_on, port = local_address(request.scope)
+    return not rule.origin_allowed(origin, port, request.headers.get("host"), arrived_on)
 
 
 def wants_page(request: Request) -> bool:
@@ -79,6 +239,10 @@ def wants_page(request: Request) -> bool:
 def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
     """Why ``request`` is refused, or None to let it through (see the module docstring)."""
     path = request.url.path
+    rule = HostRule.of(appliance.config.http)
+    misaddressed = rule.refusal(request.headers.get("host"), local_address(request.scope)[0])
+    if misaddressed is not None:
+        return misaddressed
     token = appliance.config.http.api_token
     if token and path != LOGIN_PATH and not authorized(request, token, appliance.session_secret):
         return ApplianceError("UNAUTHORIZED", "this appliance requires its API token: send "
@@ -86,9 +250,9 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
                               {"path": path})
     if request.method not in UNSAFE_METHODS:
         return None
-    if cross_origin(request):
+    if cross_origin(request, rule):
         return ApplianceError("FORBIDDEN", "cross-origin request refused",
-                              {"path": path, "origin": request.headers.get("origin")})
+                              {"path": path, "origin": shown(request.headers.get("origin", ""))})
     if path.startswith("/admin/") and path != LOGIN_PATH:
         given = request.headers.get(CSRF_HEADER, "")
         if not hmac.compare_digest(given.encode(), appliance.csrf_token.encode()):

@@ -41,26 +41,31 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from appliance.config.schema import SETTINGS
+from appliance.config.tune import VALUE_WORDS
 from appliance.errors import ApplianceError
 from appliance.protocol.events import CLOSED, NEED_DATA, Sentinel
+from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
+from appliance.protocol.paging import MAX_OFFSET_DIGITS, STATUS_AGENTS
 
 SCHEMA = "lmx-daemon/1"
 MAX_LINE_BYTES = 64 * 1024
 MAX_DECODE_TOKENS = 8192
 MAX_COUNT_DIGITS = len(str(MAX_DECODE_TOKENS))
-AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 COMMANDS: dict[str, str] = {
     "HELP": "HELP                               this text",
-    "STATUS": "STATUS                             device, ledger, models and agents",
+    "STATUS": f"STATUS [agents <offset>]           device, ledger, models and the first {STATUS_AGENTS} agents; "
+              f"agents <offset>: only agents, {STATUS_AGENTS} from <offset> on",
     "LIST": "LIST                               configured models and their state",
-    "REGISTER": "REGISTER <agent> <model|gguf path>  admit a model (ledger) and give the agent a slot",
+    "REGISTER": "REGISTER <agent> <model|gguf path>  admit a model (ledger) and give the agent a slot; <agent>: "
+                f"{AGENT_ID_RULE}; at most max_agents agents in all",
     "UNREGISTER": "UNREGISTER <agent>                 free the agent's slot (and the model if unused)",
     "DECODE": "DECODE <agent> <n_tokens> [prompt]  generate; an empty prompt continues the conversation",
     "RESYNC": "RESYNC                             re-read the device and re-base the ledger cap",
     "RELOAD": "RELOAD [benchmark]                 re-read appliance.yaml now (the record says who asked)",
     "TUNE": "TUNE [engine.<key>=<value> ...]     engine settings over the file's while this connection lasts "
-            "(none: clear)",
+            "(none: clear); each value one word without spaces; threads at most the usable cores; anyone who may "
+            "open the socket may TUNE (socket.mode, socket.group)",
 }
 
 
@@ -75,6 +80,7 @@ class Command:
     prompt: str = ""
     trigger: str | None = None  # RELOAD: what the reload record names as its cause
     settings: tuple[tuple[str, str], ...] = ()  # TUNE: (engine key, value as written), in order
+    offset: int | None = None  # STATUS agents <offset>: only agents, from this one on (None: the whole STATUS)
 
 
 def _bad(message: str, **details: Any) -> ApplianceError:
@@ -82,9 +88,9 @@ def _bad(message: str, **details: Any) -> ApplianceError:
 
 
 def _agent(text: str) -> str:
-    if not AGENT_ID.fullmatch(text):
-        raise _bad("agent id must be 1-64 of [A-Za-z0-9_.:-], starting with a letter or digit", agent=text[:80],
-                   max_agent_chars=64)
+    problem = agent_id_problem(text)
+    if problem is not None:
+        raise _bad(f"agent id {problem}", agent=text[:80], max_agent_chars=MAX_AGENT_ID_CHARS)
     return text
 
 
@@ -107,6 +113,9 @@ def _settings(text: str) -> tuple[tuple[str, str], ...]:
     pairs: list[tuple[str, str]] = []
     for word in words:
         key, equals, value = word.partition("=")
+        if pairs and not equals and key not in ENGINE_KEYS:  # the rest of the value before it, cut at a space
+            last = pairs[-1][0]
+            raise _bad(f"{last}: a TUNE value is {VALUE_WORDS}; {word[:64]!r} follows it", key=last)
         if key not in ENGINE_KEYS:
             raise _bad(f"TUNE sets engine settings only, as engine.<key>=<value>; not {word[:64]!r}",
                        key=key[:64])
@@ -116,6 +125,15 @@ def _settings(text: str) -> tuple[tuple[str, str], ...]:
             raise _bad(f"{key} given twice", key=key)
         pairs.append((key, value))
     return tuple(pairs)
+
+
+def _status_offset(rest: str) -> int:
+    """``STATUS agents <offset>``'s offset."""
+    what, _, offset = rest.partition(" ")
+    offset = offset.strip()
+    if what.lower() != "agents" or not offset.isascii() or not offset.isdigit() or len(offset) > MAX_OFFSET_DIGITS:
+        raise _bad("usage: STATUS [agents <offset>]", arguments=rest[:64])
+    return int(offset)
 
 
 RELOAD_TRIGGERS = ("benchmark",)
@@ -141,6 +159,8 @@ def parse_line(line: str | bytes) -> Command:
     if name not in COMMANDS:
         raise ApplianceError("UNKNOWN_COMMAND", f"unknown command {head[:32]!r}; try HELP", {"command": head[:32]})
     rest = rest.strip()
+    if name == "STATUS" and rest:
+        return Command(name, offset=_status_offset(rest))
     if name in ("HELP", "STATUS", "LIST", "RESYNC"):
         if rest:
             raise _bad(f"{name} takes no arguments")

@@ -32,9 +32,12 @@ from typing import Any, ClassVar, NoReturn
 
 from appliance.errors import TABLE, ApplianceError
 from appliance.protocol.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
+from appliance.protocol.identifiers import agent_id_problem
 
 SCHEMA = "magn/1"
 MAX_ID_CHARS = 256
+"""Task ids, model names and other names; a ``session_id`` names an agent and follows the agents' one rule
+(:mod:`appliance.protocol.identifiers`)."""
 MAX_TOKENS_LIMIT = 131072
 MAX_STOP_STRINGS = 16
 MAX_CHAT_MESSAGES = 4096
@@ -81,6 +84,13 @@ def _is_int(value: Any) -> bool:
 def _check_identifier(value: Any, name: str) -> str:
     if not _is_identifier(value):
         _fail(name, f"must be a string of 1 to {MAX_ID_CHARS} valid characters")
+    return value
+
+
+def _check_agent_id(value: Any, name: str) -> str:
+    problem = agent_id_problem(value)
+    if problem is not None:
+        _fail(name, problem)
     return value
 
 
@@ -318,7 +328,7 @@ class TaskStart(_Message):
 
     TYPE: ClassVar[str] = "TASK_START"
     task_id: str = _field(_check_identifier)
-    session_id: str = _field(_check_identifier)
+    session_id: str = _field(_check_agent_id)
     model: str = _field(_check_identifier)
     tools: list[Any] | dict[str, Any] | None = _field(_check_json_array_or_object, None)
     status: str | None = _field(_check_identifier, None)
@@ -331,7 +341,7 @@ class InferRequest(_Message):
     TYPE: ClassVar[str] = "INFER_REQUEST"
     task_id: str = _field(_check_identifier)
     model: str | None = _field(_check_identifier, None)
-    session_id: str | None = _field(_check_identifier, None)
+    session_id: str | None = _field(_check_agent_id, None)
     prompt: str | None = _field(_check_text, None)
     messages: tuple[ChatMessage, ...] | None = _field(
         _array(_record(ChatMessage), MAX_CHAT_MESSAGES, non_empty=True), None

@@ -12,10 +12,11 @@ import logging
 import threading
 from typing import Any
 
+from appliance.config import tune
 from appliance.daemon.core import Daemon, DecodeResult
 from appliance.engine.interface import GREEDY
 from appliance.errors import ApplianceError
-from appliance.protocol import lines
+from appliance.protocol import lines, paging
 from appliance.server import outcome
 from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings
 
@@ -25,6 +26,21 @@ log = logging.getLogger(__name__)
 def yes_no(record: dict[str, Any], *keys: str) -> dict[str, Any]:
     """``record`` with the flags ``keys`` written ``yes`` / ``no`` (STATUS's ``over_cap``, ``retired``)."""
     return {key: ("yes" if value else "no") if key in keys else value for key, value in record.items()}
+
+
+def agents_header(page: paging.Page[Any]) -> dict[str, Any]:
+    """STATUS's header line: how many agents there are and which of them the reply lists."""
+    return {"agents_total": page.total, "agents_shown": page.shown, "agents_offset": page.offset,
+            "agents_next_offset": page.next_offset}  # none on the last page; else: STATUS agents <it>
+
+
+def status_reply(snapshot: dict[str, Any], offset: int | None) -> str:
+    """STATUS (``offset`` None: everything, the first :data:`~appliance.protocol.paging.STATUS_AGENTS` agents), or
+    ``STATUS agents <offset>`` (only agents, from there on)."""
+    page = paging.page_of(snapshot["agents"], offset or 0, paging.STATUS_AGENTS)
+    if offset is not None:
+        return lines.format_reply("STATUS", [agents_header(page)], body=lines.format_records("agent", page.items))
+    return lines.format_reply("STATUS", [agents_header(page)], body=status_body({**snapshot, "agents": page.items}))
 
 
 def status_body(snapshot: dict[str, Any]) -> list[str]:
@@ -97,7 +113,7 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     if name == "HELP":
         return lines.help_text()
     if name == "STATUS":
-        return lines.format_reply("STATUS", body=status_body(daemon.snapshot()))
+        return status_reply(daemon.snapshot(), command.offset)
     if name == "LIST":
         return lines.format_reply("LIST", body=list_body(daemon))
     if name == "RESYNC":
@@ -117,7 +133,9 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     if name == "TUNE":
         if daemon.on_tune is None:
             raise ApplianceError("FORBIDDEN", "this daemon runs without a config file to tune")
-        record = await daemon.on_tune(owner, dict(command.settings))
+        settings = dict(command.settings)
+        tune.refuse_threads_over(tune.engine_values(settings), daemon.adaptive.cores)
+        record = await daemon.on_tune(owner, settings)
         tuned = ",".join(f"{key}={value}" for key, value in command.settings) or "none"
         return lines.format_reply("TUNE", [{"result": record["result"], "trigger": record["trigger"],
                                             "diff": record["diff"] or "none", "error": record["error"] or "none",

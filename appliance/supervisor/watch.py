@@ -18,8 +18,11 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+from appliance.supervisor.settle import Read
 
 log = logging.getLogger(__name__)
 logging.getLogger("watchfiles").setLevel(logging.WARNING)
@@ -34,13 +37,19 @@ Fingerprint = tuple[int, int, int, str] | None
 
 def fingerprint(path: Path) -> Fingerprint:
     """What identifies the file's current content; follows symlinks (the target is what is read)."""
+    return read(path).fingerprint
+
+
+def read(path: Path, clock: Callable[[], float] = time.monotonic) -> Read:
+    """One look at the file: its fingerprint and bytes (at most :data:`MAX_HASHED_BYTES`), and ``clock()`` once
+    they were read (:func:`appliance.supervisor.settle.decide` compares two such reads)."""
     try:
         stat = path.stat()
         with open(path, "rb") as fh:
-            digest = hashlib.sha256(fh.read(MAX_HASHED_BYTES)).hexdigest()
+            data = fh.read(MAX_HASHED_BYTES)
     except OSError:
-        return None
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, digest)
+        return Read(None, None, clock())
+    return Read((stat.st_ino, stat.st_size, stat.st_mtime_ns, hashlib.sha256(data).hexdigest()), data, clock())
 
 
 class FileWatcher:

@@ -58,6 +58,7 @@ class CaseRow:
     passed: bool = False
     crashed: bool = False
     hung: bool = False
+    lost_data: bool = False  # a file, an agent or an acknowledged result that was there before the case is gone
     max_health_ms: float | None = None
     health_samples: int = 0
     rss_growth_mb: float | None = None
@@ -110,6 +111,7 @@ def summary() -> dict[str, Any]:
         "failed": sum(not r.passed for r in rows),
         "crashes": sum(r.crashed for r in rows),
         "hangs": sum(r.hung for r in rows),
+        "lost_data": sum(r.lost_data for r in rows),
         "max_health_ms": max(health, default=None),
         "max_rss_growth_mb": max(rss, default=None),
         "health_bound_ms": HEALTH_BOUND_MS,
@@ -128,13 +130,15 @@ def _cell(value: Any) -> str:
 
 
 def summary_table(doc: dict[str, Any]) -> list[str]:
-    header = ("case", "ok", "crashed", "hung", "max health ms", "rss growth MB", "neighbour served")
-    rows = [(r["case"], _cell(r["passed"]), _cell(r["crashed"]), _cell(r["hung"]), _cell(r["max_health_ms"]),
+    header = ("case", "ok", "crashed", "hung", "lost data", "max health ms", "rss growth MB", "neighbour served")
+    rows = [(r["case"], _cell(r["passed"]), _cell(r["crashed"]), _cell(r["hung"]), _cell(r["lost_data"]),
+             _cell(r["max_health_ms"]),
              _cell(r["rss_growth_mb"]), _cell(r["neighbour_served"])) for r in doc["rows"]]
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)) for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * width for width in widths))
     lines.append(f"{doc['cases']} cases, {doc['failed']} failed, {doc['crashes']} crashes, {doc['hangs']} hangs, "
+                 f"{doc['lost_data']} lost data, "
                  f"max health {_cell(doc['max_health_ms'])} ms (bound {doc['health_bound_ms']:g}), "
                  f"max RSS growth {_cell(doc['max_rss_growth_mb'])} MB")
     return lines
@@ -164,11 +168,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 def record_case(request: pytest.FixtureRequest) -> Callable[..., CaseRow]:
     """For cases without a running appliance: ``record_case(crashed=..., hung=...)`` fills this case's row."""
 
-    def record(*, crashed: bool = False, hung: bool = False, max_health_ms: float | None = None,
-               rss_growth_mb: float | None = None) -> CaseRow:
+    def record(*, crashed: bool = False, hung: bool = False, lost_data: bool = False,
+               max_health_ms: float | None = None, rss_growth_mb: float | None = None) -> CaseRow:
         row = _row(request.node.nodeid)
         row.crashed = row.crashed or crashed
         row.hung = row.hung or hung
+        row.lost_data = row.lost_data or lost_data
         row.max_health_ms = max_health_ms
         row.rss_growth_mb = rss_growth_mb
         return row
@@ -273,6 +278,7 @@ def hostile(request: pytest.FixtureRequest, tiny_model: Path, tiny_model_b: Path
         check_health(prober)
         assert served_during > 0, f"the neighbour was not served during the case: {neighbour.errors[-3:]}"
         missing = sorted(str(p) for p in before - files_under(state, model_dir) if not p.name.startswith("."))
+        row.lost_data = row.lost_data or bool(missing)
         assert not missing, f"files deleted during the case: {missing}"
         assert fds_after <= fds + FD_SLACK, f"{fds_after} fds open after the case, {fds} before"
 

@@ -32,7 +32,7 @@ def write_forger(path: Path) -> Path:
     vocab = tinymodel.Vocabulary((FORGED, *base.tokens), (0.0, *base.scores),
                                  (int(gguf.TokenType.NORMAL), *base.types))
     writer = gguf.GGUFWriter(path, "llama")
-    tinymodel._add_metadata(writer, hp, vocab, "f32")
+    tinymodel._add_metadata(writer, hp, tinymodel.builtin_tokenizer(vocab), "f32")
     writer.add_unk_token_id(tinymodel.UNK_ID + 1)  # every special moved one place up (the later value wins)
     writer.add_bos_token_id(tinymodel.BOS_ID + 1)
     writer.add_eos_token_id(tinymodel.EOS_ID + 1)

@@ -25,10 +25,18 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from appliance.benchmark.apply import AdviceRejected, Applied, apply_changes, pending_changes
+from appliance.benchmark.apply import (
+    AdviceRefused,
+    AdviceRejected,
+    Applied,
+    ConfigNotWritable,
+    apply_changes,
+    pending_changes,
+    root_command,
+)
+from appliance.config.secrets import redact, values_of
 from appliance.errors import ApplianceError
 from appliance.http.admin import charts, figures, render
-from appliance.http.admin.configuration import redact
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -420,20 +428,33 @@ def render_block(template: str, block: str, **context: Any) -> str:
     return "".join(page.blocks[block](page.new_context(context)))
 
 
-def write_advice(config_path: Path, document: Mapping[str, Any]) -> Applied:
+def write_advice(config_path: Path, document: Mapping[str, Any], result_file: Path, socket: Path) -> Applied:
     """Write the result's keyed advice that differs from the file's values now into ``config_path`` (the same path
-    as ``appliance benchmark --apply``; a thread). ``BAD_REQUEST`` for unreadable advice, ``CONFIG_INVALID`` for a
-    change the config would refuse (nothing written), ``INTERNAL`` when the file cannot be written."""
+    as ``appliance benchmark --apply``; a thread). The result file is untrusted: ``BAD_REQUEST`` for unreadable
+    advice or advice the benchmark never gives (a key outside the advised ones, a value outside its range: named),
+    ``CONFIG_INVALID`` for a change the config would refuse, ``FORBIDDEN`` when this process may not write the file
+    (the message gives the command that applies ``result_file`` as root, then reloads through ``socket``) or it has
+    other hard links, ``INTERNAL`` when the write fails; nothing is written in each case."""
     advice = document.get("advice")
     if not isinstance(advice, list):
         raise ApplianceError("BAD_REQUEST", "this result has no advice to apply", {"advice": None})
     try:
         wanted = pending_changes(config_path, advice)
         return apply_changes(config_path, wanted)
+    except AdviceRefused as exc:
+        raise ApplianceError("BAD_REQUEST", f"the result's advice is refused: {exc.message}",
+                             {"key": exc.key, "result": result_file.name}) from None
     except ValueError as exc:
         raise ApplianceError("BAD_REQUEST", f"the result's advice is not readable: {exc}") from None
     except AdviceRejected as exc:
         raise ApplianceError("CONFIG_INVALID", exc.message, {"file": str(config_path)}) from None
+    except ConfigNotWritable as exc:
+        if not exc.read_only:
+            raise ApplianceError("FORBIDDEN", exc.message, {"file": str(config_path)}) from None
+        command = root_command(result_file, config_path, socket)
+        raise ApplianceError("FORBIDDEN", f"{exc.message}: the appliance cannot edit its own config here (the "
+                             f"shipped systemd unit keeps /etc/appliance read-only to it); apply it as root: "
+                             f"{command}", {"file": str(config_path), "command": command}) from None
     except OSError as exc:
         raise ApplianceError("INTERNAL", f"cannot write {config_path}: {exc.strerror or exc}",
                              {"file": str(config_path)}) from None
@@ -449,7 +470,9 @@ async def apply_advice(request: Request) -> Response:
         if path is None or appliance.reloader is None:
             raise ApplianceError("BAD_REQUEST", "this appliance was started without a config file: there is no "
                                  "file to write the advice into", {"config_file": None})
-        applied = await asyncio.to_thread(write_advice, path, document)
+        name = request.path_params["file"]
+        applied = await asyncio.to_thread(write_advice, path, document, folder_of(appliance) / name,
+                                          appliance.config.socket.path)
         if not applied.diff:
             return render.result(f"Nothing to apply: {path} already has every advised value.")
         record = await appliance.reloader.reload("benchmark")
@@ -459,10 +482,10 @@ async def apply_advice(request: Request) -> Response:
     headers = {render.OUTCOME_HEADER: outcome}
     if outcome == "ok":
         headers["HX-Trigger"] = render.CHANGED_EVENT
-    token = appliance.config.http.api_token  # the diff's context lines may show it: never sent, as on the config page
+    hidden = values_of(appliance.config)  # the diff's context lines may show a secret: never sent (as on Config)
     html = render_block("benchmark.html", "applied", applied={
-        "outcome": outcome, "changed": list(applied.keys), "diff": redact(applied.diff, token), "file": str(path),
-        "result": record.result, "trigger": record.trigger, "line": redact(record.line(), token)})
+        "outcome": outcome, "changed": list(applied.keys), "diff": redact(applied.diff, hidden), "file": str(path),
+        "result": record.result, "trigger": record.trigger, "line": redact(record.line(), hidden)})
     return HTMLResponse(html, headers={**render.HEADERS, **headers})
 
 

@@ -1,11 +1,10 @@
 """The config page: the file as running (or a note that the file on disk is invalid and the appliance runs its last
 valid config), its validation status, the reload record with each diff, and a "reload now" button. The API token is
-never shown: every occurrence of it, and any ``api_token:`` value, is replaced by :data:`REDACTED`."""
+never shown: every secret setting is taken out by :func:`appliance.config.secrets.redact`."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,23 +12,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from appliance.config import secrets
 from appliance.config.validate import MAX_CONFIG_BYTES
 from appliance.errors import ApplianceError
 from appliance.http.admin import render
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
-
-REDACTED = "\u2022\u2022\u2022\u2022\u2022\u2022\u2022\u2022 (hidden)"
-TOKEN_LINE = re.compile(r"^(\s*api_token\s*:\s*)(\S.*)$", re.MULTILINE)
-
-
-def redact(text: str, token: str | None) -> str:
-    """``text`` without the API token: its occurrences, and the value of any ``api_token:`` line."""
-    if token:
-        text = text.replace(token, REDACTED)
-    return TOKEN_LINE.sub(r"\g<1>" + REDACTED, text)
-
 
 def read_file(path: Path) -> tuple[str | None, str | None]:
     """The file's text (at most MAX_CONFIG_BYTES), or why it cannot be read."""
@@ -44,18 +33,18 @@ def read_file(path: Path) -> tuple[str | None, str | None]:
 
 
 async def figures_of(appliance: Appliance) -> dict[str, Any]:
-    token = appliance.config.http.api_token
-    report = {key: redact(value, token) if isinstance(value, str) else value
+    hidden = secrets.values_of(appliance.config)
+    report = {key: secrets.redact(value, hidden) if isinstance(value, str) else value
               for key, value in appliance.config_report().items()}
     text, unreadable = None, None
     if appliance.config_path is not None:
         text, unreadable = await asyncio.to_thread(read_file, appliance.config_path)
     history = []
     for record in reversed(appliance.reload_history()):
-        history.append({**record, "problems": [redact(p, token) for p in record["problems"]],
-                        "error": redact(record["error"], token)})
+        history.append({**record, "problems": [secrets.redact(p, hidden) for p in record["problems"]],
+                        "error": secrets.redact(record["error"], hidden)})
     config = appliance.config
-    return {"report": report, "text": None if text is None else redact(text, token), "unreadable": unreadable,
+    return {"report": report, "text": None if text is None else secrets.redact(text, hidden), "unreadable": unreadable,
             "history": history, "can_reload": appliance.reloader is not None, "config": config,
             "models": config.models, "http_url": appliance.http_url}
 
@@ -79,8 +68,7 @@ async def reload_now(request: Request) -> Response:
         record = await appliance.reloader.reload("api")
     except ApplianceError as error:
         return render.result("Reload failed.", error)
-    token = appliance.config.http.api_token
-    line = redact(record.line(), token)
+    line = secrets.redact(record.line(), secrets.values_of(appliance.config))
     if record.result in ("invalid", "failed"):
         error = ApplianceError("CONFIG_INVALID" if record.result == "invalid" else "INTERNAL", line,
                                {"result": record.result})

@@ -1,6 +1,8 @@
 """The dashboard: the ledger bar, device memory, models, agents, tokens/s and recent requests, and each model's
 tuning (pools, plan, threads, load profile); the page polls its ``_dashboard.html`` fragment
-(``/admin/_dashboard``) and its ``_tuning.html`` fragment (``/admin/_tuning``) every :data:`POLL_S` seconds."""
+(``/admin/_dashboard``) and its ``_tuning.html`` fragment (``/admin/_tuning``) every :data:`POLL_S` seconds. The
+agents table shows a page of :data:`paging.ADMIN_AGENTS` (``?offset=``, kept by the poll, with next /
+previous links), so the fragment stays small however many agents register."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from appliance.http.admin import figures, render
+from appliance.protocol import paging
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -95,14 +98,15 @@ def tuning_of(appliance: Appliance) -> dict[str, Any]:
     return {"engine": snapshot["engine"], "panels": tuning_panels(snapshot), "poll_s": POLL_S}
 
 
-def figures_of(appliance: Appliance) -> dict[str, Any]:
-    """Everything the dashboard fragment shows, read from memory."""
+def figures_of(appliance: Appliance, offset: int) -> dict[str, Any]:
+    """Everything the dashboard fragment shows, read from memory (the agents from ``offset`` on)."""
     daemon = appliance.daemon
     assert daemon is not None
     snapshot = daemon.snapshot()
     ledger = daemon.ledger.snapshot()
     reading = daemon.reading
-    agents = [agent_row(daemon, agent) for agent in snapshot["agents"]]
+    page = paging.page_of(snapshot["agents"], offset, paging.ADMIN_AGENTS)
+    agents = [agent_row(daemon, agent) for agent in page.items]
     now = time.time()
     return {
         "device": snapshot["device"],
@@ -113,12 +117,14 @@ def figures_of(appliance: Appliance) -> dict[str, Any]:
         "host_kv": snapshot["host_kv"],
         "models": model_rows(daemon),
         "agents": agents,
+        "agents_page": page,
         "counters": snapshot["counters"],
         "tokens_per_second": daemon.requests.tokens_per_second(now),
         "requests": [record.to_dict() for record in daemon.requests.recent(RECENT_REQUESTS)],
         "request_count": len(daemon.requests),
         "poll_s": POLL_S,
         "now": now,
+        "state_problems": [problem.to_dict() for problem in appliance.state_files.problems()],
     }
 
 
@@ -129,12 +135,15 @@ async def root(request: Request) -> Response:
 async def dashboard(request: Request) -> Response:
     render.daemon_of(request)
     appliance = request.app.state.appliance
-    return render.page(request, "dashboard.html", "dashboard", **figures_of(appliance), tuning=tuning_of(appliance))
+    offset = paging.parse_offset(request.query_params.get("offset"))
+    return render.page(request, "dashboard.html", "dashboard", **figures_of(appliance, offset),
+                       tuning=tuning_of(appliance))
 
 
 async def dashboard_partial(request: Request) -> Response:
     render.daemon_of(request)
-    return render.fragment("_dashboard.html", **figures_of(request.app.state.appliance))
+    offset = paging.parse_offset(request.query_params.get("offset"))
+    return render.fragment("_dashboard.html", **figures_of(request.app.state.appliance, offset))
 
 
 async def tuning_partial(request: Request) -> Response:

@@ -1,5 +1,7 @@
 """The registry page: register / unregister agents, load / unload models. Each form POSTs through htmx (the CSRF
-header comes from the layout) and shows its result, or the structured error, in its own result area."""
+header comes from the layout) and shows its result, or the structured error, in its own result area. The agents
+table shows a page of :data:`paging.ADMIN_AGENTS` (``?offset=``, next / previous links), and each model
+names at most :data:`paging.HOLDERS_SHOWN` of its agents: the page stays small however many register."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from starlette.routing import Route
 from appliance.daemon import policy
 from appliance.errors import ApplianceError
 from appliance.http.admin import render
-from appliance.protocol.lines import AGENT_ID
+from appliance.protocol import paging
+from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 
 if TYPE_CHECKING:
     from appliance.daemon.core import Daemon, Model
@@ -21,23 +24,32 @@ MAX_MODEL_CHARS = 1024
 """A model name, or a GGUF path inside the model directories."""
 
 
-def listing(daemon: Daemon) -> dict[str, Any]:
-    """The tables beside the forms: agents, and every model with its state and holders."""
+def listing(daemon: Daemon, offset: int) -> dict[str, Any]:
+    """The tables beside the forms: a page of agents from ``offset`` on, and every model with its state and (some
+    of) its holders."""
     holders: dict[str, list[str]] = {}
     for agent in daemon.agents.values():
         holders.setdefault(agent.model.key, []).append(agent.id)
     names = [spec.name for spec in daemon.config.models]
     names += [name for name in daemon.models if name not in names]
-    models = [{"name": name, "state": daemon.model_state(name), "agents": holders.get(name, [])} for name in names]
-    agents = [{"id": agent.id, "model": agent.model.key} for agent in daemon.agents.values()]
-    return {"models": models, "agents": agents, "model_names": [spec.name for spec in daemon.config.models]}
+    models = []
+    for name in names:
+        held = holders.get(name, [])
+        models.append({"name": name, "state": daemon.model_state(name), "agents": held[:paging.HOLDERS_SHOWN],
+                       "more_agents": max(0, len(held) - paging.HOLDERS_SHOWN)})
+    page = paging.page_of(list(daemon.agents.values()), offset, paging.ADMIN_AGENTS)
+    agents = [{"id": agent.id, "model": agent.model.key} for agent in page.items]
+    return {"models": models, "agents": agents, "agents_page": page,
+            "model_names": [spec.name for spec in daemon.config.models]}
 
 
 def agent_field(fields: dict[str, str]) -> str:
-    agent_id = render.required(fields, "agent", max_chars=64)
-    if not AGENT_ID.fullmatch(agent_id):
-        raise ApplianceError("BAD_REQUEST", "agent id must be 1-64 of [A-Za-z0-9_.:-], starting with a letter or "
-                                            "digit", {"field": "agent", "max_agent_chars": 64})
+    """The form's agent id, by the agents' one rule (protocol.identifiers)."""
+    agent_id = render.required(fields, "agent", max_chars=MAX_AGENT_ID_CHARS)
+    problem = agent_id_problem(agent_id)
+    if problem is not None:
+        raise ApplianceError("BAD_REQUEST", f"agent id {problem}",
+                             {"field": "agent", "rule": AGENT_ID_RULE, "max_agent_chars": MAX_AGENT_ID_CHARS})
     return agent_id
 
 
@@ -62,12 +74,14 @@ async def unload_unheld(daemon: Daemon, name: str) -> bool:
 
 async def registry(request: Request) -> Response:
     daemon = render.daemon_of(request)
-    return render.page(request, "registry.html", "registry", **listing(daemon))
+    offset = paging.parse_offset(request.query_params.get("offset"))
+    return render.page(request, "registry.html", "registry", **listing(daemon, offset))
 
 
 async def registry_partial(request: Request) -> Response:
     daemon = render.daemon_of(request)
-    return render.fragment("_registry.html", **listing(daemon))
+    offset = paging.parse_offset(request.query_params.get("offset"))
+    return render.fragment("_registry.html", **listing(daemon, offset))
 
 
 async def register(request: Request) -> Response:

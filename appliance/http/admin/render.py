@@ -40,7 +40,7 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'se
                            "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
 """No inline scripts or styles, nothing from elsewhere, never inside another site's frame (clickjacking)."""
 
-HEADERS = {"Cache-Control": "no-store", "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+HEADERS = {"Cache-Control": "no-store", "Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Frame-Options": "DENY",
            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
 OUTCOME_HEADER = "X-Appliance-Outcome"
 CHANGED_EVENT = "appliance-changed"
@@ -64,6 +64,7 @@ def page(request: Request, template: str, active: str, **context: Any) -> HTMLRe
     """A full page in the base layout; ``active`` names its nav entry."""
     appliance = request.app.state.appliance
     html = render(template, nav=NAV, active=active, csrf_headers={"X-CSRF-Token": appliance.csrf_token},
+                  logout=bool(appliance.config.http.api_token),  # a logout button where there is a login
                   version=appliance.version, **context)
     return HTMLResponse(html, headers=HEADERS)
 

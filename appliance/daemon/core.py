@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -67,6 +68,7 @@ from appliance.engine.interface import (
     Conversation,
     EngineProtocol,
     Generation,
+    PromptText,
     RuntimeProtocol,
     Sampling,
     Token,
@@ -77,6 +79,9 @@ from appliance.errors import ApplianceError
 from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem
 
 log = logging.getLogger(__name__)
+
+_ACCEPTED: contextvars.ContextVar[bool] = contextvars.ContextVar("appliance_accepted", default=False)
+"""Set while a task runs inside :meth:`Daemon.accepting`."""
 
 ModelState = Literal["available", "loading", "loaded", "unloading"]
 """A model's lifecycle, as health, the registry file and STATUS show it: ``available`` (not in memory) ->
@@ -605,8 +610,9 @@ class Daemon:
         """Register ``agent_id`` on the model ``ref`` (loaded if need be). Every surface checks the id
         first; this is the last line of defence: an id outside the one rule (:mod:`appliance.protocol.identifiers`) is
         BAD_REQUEST, one agent more than ``max_agents`` (all owners, registrations in progress included) is
-        TOO_MANY_AGENTS; the agents already registered are not touched."""
-        if self.closing:
+        TOO_MANY_AGENTS; the agents already registered are not touched. Once a graceful stop began only a
+        request accepted before it (:meth:`accepting`) may still register."""
+        if self.closing and not _ACCEPTED.get():
             raise ApplianceError("SHUTTING_DOWN")
         problem = agent_id_problem(agent_id)
         if problem is not None:
@@ -693,10 +699,10 @@ class Daemon:
         conv.n_evaluated = 0
 
     # -- decoding --------------------------------------------------------------------------------
-    async def decode(self, agent_id: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
+    async def decode(self, agent_id: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                      on_token: Callable[[Token], None] | None = None,
                      cancel: threading.Event | None = None) -> DecodeResult:
-        with self._accept():
+        with self.accepting():
             agent = self.agent(agent_id)
             async with agent.lock:
                 if self.agents.get(agent_id) is not agent:
@@ -708,12 +714,12 @@ class Daemon:
                 finally:
                     agent.last_used = self.clock()
 
-    async def complete(self, ref: str, n_tokens: int, prompt: str, sampling: Sampling = GREEDY,
+    async def complete(self, ref: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                        on_token: Callable[[Token], None] | None = None,
                        cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
         """A stateless request (HTTP, MAGN without a session): a fresh conversation every time. ``queue`` is the
         engine queue it waits in (its connection; default: one queue for the model's stateless requests)."""
-        with self._accept():
+        with self.accepting():
             model = self.resolve(ref)
             model.inflight += 1
             try:
@@ -727,20 +733,27 @@ class Daemon:
                     self._settle_retired(model)
 
     @contextlib.contextmanager
-    def _accept(self) -> Iterator[None]:
-        """One generation request (:meth:`decode`, :meth:`complete`) from its arrival to its answer: refused with
+    def accepting(self) -> Iterator[None]:
+        """One client request from its arrival to its answer (:meth:`decode`, :meth:`complete`; a surface whose one
+        request registers an agent and then decodes, as an OpenAI chat with ``user``, wraps both): refused with
         SHUTTING_DOWN once a graceful stop began, else counted in :attr:`accepted` until it ends, so that the
-        stop's grace covers it while it waits for its model to load, for its agent or for a sequence."""
+        stop's grace covers it while it waits for its model to load, for its agent or for a sequence. Nested
+        ones (in the same task) are the outer one."""
+        if _ACCEPTED.get():
+            yield
+            return
         if self.closing:
             raise ApplianceError("SHUTTING_DOWN")
         self.accepted += 1
+        mark = _ACCEPTED.set(True)
         try:
             yield
         finally:
+            _ACCEPTED.reset(mark)
             self.accepted -= 1
 
     async def _run(self, model: Model, conv: Conversation, agent: Agent | None, n_tokens: int,
-                   prompt: str, sampling: Sampling, on_token: Callable[[Token], None] | None,
+                   prompt: PromptText, sampling: Sampling, on_token: Callable[[Token], None] | None,
                    cancel: threading.Event | None, ephemeral: bool = False,
                    queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
         """Generate in the model's live context: claim the context (SPEC L8), start the request on the engine

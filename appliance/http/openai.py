@@ -249,8 +249,12 @@ class Run:
         if self.agent_id is None:
             result = await self._generate(self.prompt, model=self.options.model, queue=self.connection)
             return Done(result, 0)
-        async with self.texts.lock(self.agent_id):
-            agent = await agent_for(self.daemon, self.agent_id, self.options.model, self.param)
+        with self.daemon.accepting():  # its agent's registration and its decode are one request (a stop's grace)
+            return await self._run_agent(self.agent_id)
+
+    async def _run_agent(self, agent_id: str) -> Done:
+        async with self.texts.lock(agent_id):
+            agent = await agent_for(self.daemon, agent_id, self.options.model, self.param)
             suffix = schema.continuation(self.texts.text(agent), self.prompt)
             if suffix is None:  # the history changed: start the conversation over
                 await self.daemon.reset_conversation(agent.id)

@@ -267,6 +267,18 @@ def http_completion(app: Running, out: dict[str, Any]) -> None:
     out["body"] = response.json()
 
 
+def http_agent_chat(app: Running, out: dict[str, Any]) -> None:
+    """An OpenAI chat with ``user``: one request that registers its agent (loading the model), then decodes."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0,
+            "user": "agent-in-grace"}
+    response = httpx.post(f"{app.appliance.http_url}/v1/chat/completions", json=body, timeout=HUNG_S * 2)
+    out["status"] = response.status_code
+    out["body"] = response.json()
+
+
+CLIENTS = {"http": http_completion, "http-agent": http_agent_chat}
+
+
 def magn_completion(app: Running, out: dict[str, Any]) -> None:
     peer = RawPeer(app.socket, timeout=HUNG_S * 2)
     try:
@@ -278,7 +290,7 @@ def magn_completion(app: Running, out: dict[str, Any]) -> None:
 
 
 def served(surface: str, out: dict[str, Any]) -> bool:
-    if surface == "http":
+    if surface.startswith("http"):
         return out["status"] == 200 and out["body"]["usage"]["completion_tokens"] == 6
     end = out["end"]
     return isinstance(end, m.TaskComplete) and end.usage.completion_tokens == 6
@@ -297,13 +309,13 @@ def stop_in_background(app: Running) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("surface", ["http", "magn"])
+@pytest.mark.parametrize("surface", ["http", "http-agent", "magn"])
 def test_sigterm_while_a_request_waits_for_its_model_load_gives_it_the_grace(record_case, tiny_model: Path,
                                                                             surface: str) -> None:
     row = record_case(hung=True)
     with held_load(tiny_model, grace_s=30) as app:
         out: dict[str, Any] = {}
-        client = threading.Thread(target=http_completion if surface == "http" else magn_completion, args=(app, out))
+        client = threading.Thread(target=CLIENTS.get(surface, magn_completion), args=(app, out))
         client.start()
         wait_for(lambda: app.daemon.model_state("demo") == "loading", HUNG_S, "the model loading")
         stopper = stop_in_background(app)

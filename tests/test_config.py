@@ -523,7 +523,8 @@ def test_describe_spells_choices_bounds_and_null():
 
 def test_members_of_each_section():
     settings_, subs = schema.members("models")
-    assert list(settings_) == ["name", "path", "vram_bytes", "n_ctx", "n_gpu_layers", "idle_ttl_s", "cache_type"]
+    assert list(settings_) == ["name", "aliases", "path", "vram_bytes", "n_ctx", "n_gpu_layers", "idle_ttl_s",
+                               "embeddings", "reasoning", "cache_type"]
     assert list(subs) == ["generate_if_missing"]
     settings_, subs = schema.members("")
     assert list(subs) == ["socket", "http", "engine", "models"] and "data_dir" in settings_

@@ -51,7 +51,10 @@ CANCEL = m.Cancel("t1")
 CANCELLED = m.ErrorMessage.of(ApplianceError("CANCELLED"), "t1")
 START_FAILED = m.ErrorMessage.of(ApplianceError("AGENT_EXISTS"), "s1")
 CONNECTION_ERROR = m.ErrorMessage.of(ApplianceError("SHUTTING_DOWN"))
-SAMPLES: list[m.Message] = [ASK, INFO, INFER, START, ECHO, TOKEN, BEAT, DONE, FAILED, CANCEL, CONNECTION_ERROR]
+EMBED = m.EmbedRequest("e1", "m", ("a", "b"))
+VECTORS = m.Embeddings("e1", "m", ((1.0, 0.0), (0.0, 1.0)), m.EmbedUsage(2))
+SAMPLES: list[m.Message] = [ASK, INFO, INFER, START, ECHO, TOKEN, BEAT, DONE, FAILED, CANCEL, CONNECTION_ERROR, EMBED,
+                            VECTORS]
 
 Step = tuple[Role, m.Message]
 
@@ -126,6 +129,10 @@ CONVERSATIONS: dict[str, list[Step]] = {
     "interleaved tasks": [(CLIENT, INFER), (CLIENT, START), (CLIENT, m.InferRequest("t2", model="m", prompt="x")),
                           (SERVER, TOKEN), (SERVER, ECHO), (SERVER, m.Heartbeat("t2")), (SERVER, DONE),
                           (SERVER, m.TaskComplete("t2", "", m.Usage(1, 0), "length"))],
+    "embeddings": [(CLIENT, EMBED), (SERVER, VECTORS)],
+    "embeddings refused": [(CLIENT, EMBED), (SERVER, m.ErrorMessage.of(ApplianceError("BAD_REQUEST"), "e1"))],
+    "embeddings beside an inference": [(CLIENT, INFER), (CLIENT, EMBED), (SERVER, TOKEN), (SERVER, VECTORS),
+                                       (SERVER, DONE)],
     "connection-level error": [(SERVER, CONNECTION_ERROR), (CLIENT, ASK), (SERVER, INFO), (SERVER, CONNECTION_ERROR)],
 }
 
@@ -148,6 +155,19 @@ def test_both_sides_track_the_tasks_in_flight() -> None:
     pair.play([(SERVER, TOKEN), (SERVER, ECHO), (SERVER, INFO)])
     for conn in pair.conn.values():
         assert dict(conn.in_flight) == {"t1": "INFER_REQUEST"} and conn.info_requests_pending == 0
+
+
+def test_embeddings_end_only_an_embed_request_and_a_task_complete_does_not_end_one() -> None:
+    pair = ConnectionPair()
+    pair.play([(CLIENT, INFER)])
+    with pytest.raises(LocalProtocolError) as wrong:
+        pair.server.send(m.Embeddings("t1", "m", ((1.0,),), m.EmbedUsage(1)))
+    assert wrong.value.error.details["task"] == "INFER_REQUEST"
+    pair.play([(CLIENT, EMBED)])
+    with pytest.raises(LocalProtocolError):
+        pair.server.send(m.TaskComplete("e1", "", m.Usage(1, 0), "stop"))
+    pair.play([(SERVER, VECTORS), (SERVER, DONE)])
+    assert not pair.server.in_flight and not pair.client.in_flight
 
 
 @pytest.mark.parametrize("end", [DONE, FAILED, CANCELLED], ids=lambda msg: msg.TYPE)

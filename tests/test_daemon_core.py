@@ -612,3 +612,23 @@ def test_requests_beyond_the_slots_wait_in_turn_and_one_given_up_leaves_nothing(
         assert model.inflight == 0 and model.active == 0 and not model.runtime.busy and daemon.generating == 0
 
     run(tmp_path, body, engine={"live_slots": 1})
+
+
+# -- counting a prompt's tokens -------------------------------------------------------------------------------------
+
+def test_count_loads_the_model_and_counts_what_a_generation_of_the_prompt_counts(tmp_path: Path) -> None:
+    async def body(env: Env) -> None:
+        daemon, engine = env.daemon, env.engine
+        model = daemon.resolve("m")
+        assert model.state == "available"
+        env.clock.advance(5)
+        counted = await daemon.count("m", "Hello there")
+        assert model.state == "loaded" and len(engine.loads) == 1
+        assert model.inflight == 0 and model.last_used == env.clock()
+        result = await daemon.complete("m", 2, "Hello there")
+        assert counted == result.generation.prompt_tokens == len("Hello there") + 1  # the BOS token counted
+        assert (await error_of(daemon.count("ghost", "Hi"))).code == "UNKNOWN_MODEL"
+        daemon.closing = True
+        assert (await error_of(daemon.count("m", "Hi"))).code == "SHUTTING_DOWN"
+
+    run(tmp_path, body)

@@ -142,7 +142,8 @@ def test_four_agents_streaming_at_once_get_their_solo_outputs_and_a_cancel_touch
         results = app.call(together(None))
         assert [r.generation.text for r in results] == expected
         for index in range(4):  # the conversations start over, so the same run can be compared again
-            app.call(daemon.reset_conversation(f"a{index}"))
+            app.line(f"UNREGISTER a{index}")
+            app.line(f"REGISTER a{index} tiny")
         results = app.call(together(1))
         assert results[1].generation.stop_reason == "cancelled"
         assert [r.generation.text for i, r in enumerate(results) if i != 1] == \

@@ -14,6 +14,8 @@ from appliance.errors import TABLE, ApplianceError
 from appliance.protocol.frames import Frame, FrameParser, LocalProtocolError, RemoteProtocolError
 from appliance.protocol.identifiers import AGENT_ID
 from appliance.protocol.messages import (
+    MAX_EMBED_DIMENSIONS,
+    MAX_EMBED_INPUTS,
     MAX_ID_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
@@ -23,6 +25,9 @@ from appliance.protocol.messages import (
     STOP_REASONS,
     Cancel,
     ChatMessage,
+    Embeddings,
+    EmbedRequest,
+    EmbedUsage,
     ErrorBody,
     ErrorMessage,
     Heartbeat,
@@ -52,6 +57,10 @@ VALID: dict[str, dict[str, Any]] = {
                       "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "stop_reason": "tool_call",
                       "timings": {"ttft_ms": 12.5, "elapsed_ms": 40.0},
                       "tool_call": {"name": "search", "arguments": {"q": "x"}}, "stats": {"plan": "S", "threads": 4}},
+    "EMBED_REQUEST": {"type": "EMBED_REQUEST", "task_id": "e1", "model": "embed", "input": ["hello", "world"],
+                      "dimensions": 2},
+    "EMBEDDINGS": {"type": "EMBEDDINGS", "task_id": "e1", "model": "embed", "data": [[0.6, -0.8], [1.0, 0.0]],
+                   "usage": {"prompt_tokens": 4}},
     "CANCEL": {"type": "CANCEL", "task_id": "t2"},
     "PROTOCOL_INFO": {"type": "PROTOCOL_INFO", "version": 1, "supported_versions": [1], "schema": SCHEMA,
                       "max_frame_bytes": 16777216, "server": "appliance", "server_version": "0.1.0"},
@@ -119,7 +128,7 @@ def test_error_message_carries_the_p4_shape() -> None:
 
 def test_message_types_registry() -> None:
     assert set(MESSAGE_TYPES) == {"TASK_START", "INFER_REQUEST", "STREAM_TOKEN", "HEARTBEAT", "TASK_COMPLETE",
-                                  "CANCEL", "PROTOCOL_INFO", "ERROR"}
+                                  "EMBED_REQUEST", "EMBEDDINGS", "CANCEL", "PROTOCOL_INFO", "ERROR"}
 
 
 # --- refusals -------------------------------------------------------------------------------------------------------
@@ -200,6 +209,15 @@ INVALID = [
     ("TASK_COMPLETE", {"tool_call": {"arguments": {}}}, "tool_call.name"),
     ("TASK_COMPLETE", {"tool_call": {"name": "f", "arguments": "x=1"}}, "tool_call.arguments"),
     ("TASK_COMPLETE", {"stats": []}, "stats"),
+    ("EMBED_REQUEST", {"input": []}, "input"),
+    ("EMBED_REQUEST", {"input": "hello"}, "input"),
+    ("EMBED_REQUEST", {"input": ["a", 1]}, "input[1]"),
+    ("EMBED_REQUEST", {"dimensions": 0}, "dimensions"),
+    ("EMBEDDINGS", {"data": []}, "data"),
+    ("EMBEDDINGS", {"data": [[0.6, -0.8], [1.0]]}, "data"),
+    ("EMBEDDINGS", {"data": [[0.6, "x"]]}, "data[0][1]"),
+    ("EMBEDDINGS", {"data": [[]]}, "data[0]"),
+    ("EMBEDDINGS", {"usage": {}}, "usage.prompt_tokens"),
     ("CANCEL", {"task_id": None}, "task_id"),
     ("PROTOCOL_INFO", {"version": 2}, "version"),
     ("PROTOCOL_INFO", {"supported_versions": []}, "supported_versions"),
@@ -317,6 +335,11 @@ MESSAGES = st.one_of(
     st.builds(TaskComplete, IDS, TEXT, USAGE, st.just("tool_call"), timings=st.dictionaries(TEXT, NUM, max_size=3),
               tool_call=st.builds(ToolCall, IDS, JSON_OBJ), stats=JSON_OBJ),
     st.builds(Cancel, IDS),
+    st.builds(EmbedRequest, IDS, IDS, st.lists(TEXT, min_size=1, max_size=3),
+              dimensions=st.none() | st.integers(1, MAX_EMBED_DIMENSIONS)),
+    st.integers(1, 4).flatmap(lambda dims: st.builds(
+        Embeddings, IDS, IDS, st.lists(st.tuples(*[st.floats(-1, 1)] * dims), min_size=1, max_size=3),
+        st.builds(EmbedUsage, st.integers(0, 10**6)))),
     st.just(ProtocolInfoRequest()),
     st.builds(ProtocolInfo, st.just(1), st.just((1,)), IDS, st.integers(0, 2**32 - 1), IDS, IDS),
     st.builds(lambda code, task, text, details: ErrorMessage.of(ApplianceError(code, text, details), task),
@@ -366,6 +389,8 @@ def test_any_json_object_parses_or_is_refused_as_bad_payload(payload: dict[str, 
     ("INFER_REQUEST", {"temperature": float("nan")}, "[0.0, 2.0]"),
     ("INFER_REQUEST", {"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, f"0 to {MAX_STOP_STRINGS}"),
     ("INFER_REQUEST", {"task_id": "x" * (MAX_ID_CHARS + 1)}, f"1 to {MAX_ID_CHARS}"),
+    ("EMBED_REQUEST", {"input": ["x"] * (MAX_EMBED_INPUTS + 1)}, f"1 to {MAX_EMBED_INPUTS}"),
+    ("EMBED_REQUEST", {"dimensions": MAX_EMBED_DIMENSIONS + 1}, f"[1, {MAX_EMBED_DIMENSIONS}]"),
 ])
 def test_a_refusal_names_the_limit_it_broke(kind: str, changes: dict[str, Any], bounds: str) -> None:
     assert bounds in refusal(with_(kind, **changes)).error.details["reason"]

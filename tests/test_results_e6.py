@@ -138,6 +138,6 @@ def test_without_a_token_the_first_token_time_is_none_null_or_left_out() -> None
     done = completion("t1", result)
     assert done.timings == {"elapsed_ms": 250.0}
     assert done.stats["plan"] == "M" and done.stats["threads"] == 3 and done.stats["peak_memory_bytes"] == 12345
-    usage = Done(result, 0).usage()
+    usage = Done(result).usage()
     assert usage["ttft_ms"] is None and usage["elapsed_ms"] == 250.0
     assert (usage["plan"], usage["threads"], usage["peak_memory_bytes"]) == ("M", 3, 12345)

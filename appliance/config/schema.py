@@ -20,6 +20,8 @@ from typing import Any
 
 DATA_DIR_PREFIX = "{data_dir}"
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+MODEL_ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
+"""An alias may also hold ``/``, ``@`` and ``+`` (agent CLIs send names like ``openai/gpt-4.1``)."""
 HOST_NAME = re.compile(r"(?:[A-Za-z0-9_*](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\])", re.ASCII)
 """A name ``http.allowed_hosts`` may hold: a DNS name (``*.`` for its subdomains), an IPv4 or a bracketed IPv6."""
 
@@ -196,6 +198,20 @@ def _to_hosts(value: Any) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def _to_aliases(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of names (got {show(value)})")
+    aliases: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or not MODEL_ALIAS.fullmatch(item):
+            raise ValueError("each alias must be 1-128 of letters, digits, '_', '.', ':', '/', '@', '+', '-', starting "
+                             f"with a letter or digit (got {show(item)})")
+        if item in aliases:
+            raise ValueError(f"alias {item!r} is listed twice")
+        aliases.append(item)
+    return tuple(aliases)
+
+
 def _to_vram(value: Any) -> int | None:
     """``auto`` (None: estimate from the GGUF metadata) or a size."""
     if value == "auto":
@@ -241,6 +257,7 @@ DEVICE = Kind("device", parse_device)
 MODE = Kind("octal mode", parse_mode, text=True)
 PAIR = Kind("two integers", _to_pair)
 HOSTS = Kind("list of host names", _to_hosts)
+ALIASES = Kind("list of names", _to_aliases)
 AUTO_COUNT = Kind("`auto` or integer", _to_auto_count)
 
 
@@ -570,6 +587,11 @@ SETTINGS: tuple[Setting, ...] = (
     # models[]
     Setting("models[].name", STR, REQUIRED, "Model name used by clients.", check=_check_model_name),
     Setting(
+        "models[].aliases", ALIASES, [],
+        "Other names clients may ask for this model by, on every surface (agent CLIs send fixed names such as "
+        "`gpt-4.1`); listed by /v1/models. No alias may be another model's name or alias.",
+    ),
+    Setting(
         "models[].path", PATH, REQUIRED,
         "GGUF file; must exist unless generate_if_missing is set.",
         live=False,
@@ -593,6 +615,19 @@ SETTINGS: tuple[Setting, ...] = (
         "models[].idle_ttl_s", FLOAT, 1800,
         "Unload after this many idle seconds; 0 = never.",
         minimum=0,
+    ),
+    Setting(
+        "models[].embeddings", BOOL, False,
+        "Serve embeddings (`POST /v1/embeddings`) from this model: it gets an embeddings context of its own, counted "
+        "by the ledger like any other, with the pooling its GGUF names (mean pooling when it names none).",
+        live=False,
+    ),
+    Setting(
+        "models[].reasoning", STR, "split",
+        "What a template's `<think>…</think>` becomes: `split` = returned apart from the answer (OpenAI "
+        "`reasoning_content`, Responses `reasoning` items, Anthropic `thinking` blocks); `inline` = left in the "
+        "answer's text.",
+        choices=("split", "inline"),
     ),
     Setting(
         "models[].cache_type", STR, "f16",

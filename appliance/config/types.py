@@ -25,10 +25,13 @@ class TinySpec:
 class ModelConfig:
     name: str
     path: Path
+    aliases: tuple[str, ...]
     vram_bytes: int | None  # None = auto (estimated from GGUF metadata)
     n_ctx: int
     n_gpu_layers: int  # -1 = all
     idle_ttl_s: float  # 0 = never unload
+    embeddings: bool  # an embeddings context of its own (POST /v1/embeddings)
+    reasoning: str  # "split" | "inline": what a template's <think>…</think> becomes
     cache_type: str
     generate_if_missing: TinySpec | None
 
@@ -97,6 +100,13 @@ class Config:
         """The configured model called ``name``, or None."""
         for model in self.models:
             if model.name == name:
+                return model
+        return None
+
+    def named(self, ref: str) -> ModelConfig | None:
+        """The configured model whose name or one of whose aliases is ``ref``, or None."""
+        for model in self.models:
+            if model.name == ref or ref in model.aliases:
                 return model
         return None
 

@@ -148,7 +148,7 @@ def _is_null(node: Node) -> bool:
 
 MAX_NUMBER_DIGITS = 30
 """A number written with more digits is refused before it is converted (no setting needs more than 20)."""
-_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS, schema.HOSTS)
+_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS, schema.HOSTS, schema.ALIASES)
 _NUMBER = re.compile(r"[-+]?[0-9_]*\.?[0-9_]*(?:[eE][-+]?[0-9]+)?[A-Za-z]*")
 
 
@@ -421,12 +421,33 @@ def _check_models(validator: _Validator, models: Any, resolve: Resolve, exists: 
                 validator.report(f"models[{index}].name", validator.lines.get(f"models[{index}].name"),
                                  f"duplicate model name '{name}' (first at models[{first[name]}])")
             first.setdefault(name, index)
+    _check_aliases(validator, models, first)
+    for index, model in enumerate(models):
+        if model is _BAD:
+            continue
         if exists is None or model["path"] is _BAD or model["generate_if_missing"] is not None:
             continue
         path = resolve(model["path"])
         if path is not None and not exists(path):
             validator.report(f"models[{index}].path", validator.lines.get(f"models[{index}].path"),
                              f"no such file: {path} (or set generate_if_missing to create a demo model)")
+
+
+def _check_aliases(validator: _Validator, models: list[Any], names: dict[str, int]) -> None:
+    """No alias is a model's name or another model's alias (a name must find one model)."""
+    owner: dict[str, int] = {}  # alias -> index of the model that lists it first
+    for index, model in enumerate(models):
+        if model is _BAD or model["aliases"] is _BAD:
+            continue
+        where = f"models[{index}].aliases"
+        for alias in model["aliases"]:
+            if alias in names:
+                validator.report(where, validator.lines.get(where),
+                                 f"alias '{alias}' is the name of models[{names[alias]}]")
+            elif alias in owner and owner[alias] != index:
+                validator.report(where, validator.lines.get(where),
+                                 f"alias '{alias}' is already an alias of models[{owner[alias]}]")
+            owner.setdefault(alias, index)
 
 
 def _check_http(validator: _Validator, http: Any) -> None:

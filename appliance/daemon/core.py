@@ -48,10 +48,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
@@ -63,6 +63,7 @@ from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.daemon.requests import RequestLog
 from appliance.engine import gguf_meta
 from appliance.engine.adaptive import Tuner, Tuning
+from appliance.engine.embedding import Embeddings, context_size
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -73,6 +74,7 @@ from appliance.engine.interface import (
     Sampling,
     Token,
 )
+from appliance.engine.prompts import PromptVocabulary, tokenize_prompt
 from appliance.engine.slots import ColdNeeded
 from appliance.engine.worker import DEFAULT_QUEUE
 from appliance.errors import ApplianceError
@@ -192,8 +194,9 @@ def model_defaults(name: str, path: Path) -> ModelConfig:
         setting = settings.BY_KEY[f"models[].{key}"]
         return setting.kind.convert(setting.default)
 
-    return ModelConfig(name=name, path=path, vram_bytes=default("vram_bytes"), n_ctx=default("n_ctx"),
+    return ModelConfig(name=name, path=path, aliases=(), vram_bytes=default("vram_bytes"), n_ctx=default("n_ctx"),
                        n_gpu_layers=default("n_gpu_layers"), idle_ttl_s=default("idle_ttl_s"),
+                       embeddings=default("embeddings"), reasoning=default("reasoning"),
                        cache_type=default("cache_type"), generate_if_missing=None)
 
 
@@ -251,6 +254,11 @@ WAIT_TURN = object()
 def context_key(name: str) -> str:
     """The ledger key of a model's live context (its KV cache and compute buffers), apart from its weights."""
     return f"{name} (context)"
+
+
+def embedding_key(name: str) -> str:
+    """The ledger key of a model's embeddings context (``models[].embeddings``), apart from its live context."""
+    return f"{name} (embeddings)"
 
 
 def vocabulary_notice(name: str) -> str:
@@ -350,8 +358,8 @@ class Daemon:
 
     # -- models ----------------------------------------------------------------------------------
     def resolve(self, ref: str) -> Model:
-        """A configured model name, or a GGUF path inside the model directories (R4)."""
-        spec = self.config.model(ref)
+        """A configured model's name or alias, or a GGUF path inside the model directories (R4)."""
+        spec = self.config.named(ref)
         if spec is None and ("/" in ref or ref.endswith(".gguf")):
             path = Path(ref).expanduser()
             resolved = path.resolve()
@@ -557,6 +565,7 @@ class Daemon:
                 self.ledger.release(context_key(model.key))
                 self.ledger.release(next_key(model.key))
                 self.ledger.release(cold_key(model.key))
+                self.ledger.release(embedding_key(model.key))
                 model.context_claimed = False
                 model.cold_bytes = 0
                 model.pending = None
@@ -683,21 +692,6 @@ class Daemon:
             with contextlib.suppress(ApplianceError):
                 await self.unregister(agent.id, reason="its connection closed")
 
-    async def reset_conversation(self, agent_id: str) -> None:
-        """Empty ``agent_id``'s conversation (its tokens and KV state); the agent stays registered (the OpenAI
-        API: a client that changed its history starts over)."""
-        agent = self.agent(agent_id)
-        async with agent.lock:
-            if self.agents.get(agent_id) is not agent:
-                raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
-            await self.engine.call(self._reset, agent.model, agent.conversation)
-
-    def _reset(self, model: Model, conv: Conversation) -> None:
-        """Detach ``conv`` from its model's runtime and forget its tokens (engine thread)."""
-        self._detach(model, conv)
-        conv.tokens.clear()
-        conv.n_evaluated = 0
-
     # -- decoding --------------------------------------------------------------------------------
     async def decode(self, agent_id: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                      on_token: Callable[[Token], None] | None = None,
@@ -731,6 +725,74 @@ class Daemon:
                 model.last_used = self.clock()
                 if policy.unload_retired(model.view()):
                     self._settle_retired(model)
+
+    async def count(self, ref: str, prompt: PromptText) -> int:
+        """The tokens ``prompt`` is on model ``ref``'s vocabulary, its BOS token included (what a generation of it
+        counts as ``prompt_tokens``; nothing is generated): loaded if need be and counted in flight meanwhile (the
+        idle sweep leaves it), tokenized on the engine thread (where a model is unloaded)."""
+        with self.accepting():
+            model = self.resolve(ref)
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                return int(await self.engine.call(self._count, model, prompt, queue=("count", model.key)))
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
+
+    def _count(self, model: Model, prompt: PromptText) -> int:
+        """``prompt``'s tokens on ``model``'s loaded vocabulary (engine thread)."""
+        runtime = model.runtime
+        if runtime is None:
+            raise ApplianceError("MODEL_BUSY", f"model {model.key!r} was unloaded while its tokens were counted",
+                                 {"model": model.key})
+        return len(tokenize_prompt(cast(PromptVocabulary, runtime), prompt, bos=True))
+
+    async def embed(self, ref: str, inputs: Sequence[str | Sequence[int]],
+                    dimensions: int | None = None) -> Embeddings:
+        """The embeddings of ``inputs`` (texts or token ids; ``dimensions``, if given, the model's) from the model
+        ``ref``, which must have
+        ``models[].embeddings: true`` (else ``BAD_REQUEST`` naming the setting): loaded if need be, its
+        embeddings context opened at its first such request (:meth:`_open_embeddings`)."""
+        with self.accepting():
+            model = self.resolve(ref)
+            if not model.spec.embeddings:
+                raise ApplianceError("BAD_REQUEST", f"model {model.key!r} does not serve embeddings: set "
+                                                    "models[].embeddings: true for it in appliance.yaml",
+                                     {"param": "model", "model": model.key, "setting": "models[].embeddings"})
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                runtime = await self._open_embeddings(model)
+                return await self.engine.call(runtime.embed, inputs, dimensions,
+                                             queue=("embeddings", model.key))
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
+
+    async def _open_embeddings(self, model: Model) -> Any:
+        """``model``'s runtime with its embeddings context open: built once, its estimate (KV cache and compute
+        margin for :func:`~appliance.engine.embedding.context_size` cells) admitted under :func:`embedding_key`
+        first (``VRAM_LEDGER_DENY`` when it does not fit)."""
+        async with model.lock:
+            runtime = model.runtime
+            if runtime is None:
+                raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+            if runtime.has_embeddings:
+                return runtime
+            shape = await asyncio.to_thread(gguf_meta.read_model_shape, model.path)
+            table = gguf_meta.estimate(shape, context_size(model.spec.n_ctx), model.spec.cache_type)
+            with self.ledger.reservation(embedding_key(model.key), table.kv + table.compute) as pending:
+                await finish(asyncio.ensure_future(self.engine.call(runtime.open_embeddings)))
+                pending.commit()
+            log.info("model %s: embeddings context built (%d bytes in the ledger)", model.key,
+                     table.kv + table.compute)
+            self._changed()
+            return runtime
 
     @contextlib.contextmanager
     def accepting(self) -> Iterator[None]:
@@ -920,7 +982,7 @@ class Daemon:
         """The ledger bytes ``model`` holds now: weights, live context, a context being prepared, a cold one."""
         held = self.ledger.reservations()
         return sum(held.get(key, 0) for key in (model.key, context_key(model.key), next_key(model.key),
-                                                cold_key(model.key)))
+                                                cold_key(model.key), embedding_key(model.key)))
 
     def background(self, task: asyncio.Task[Any]) -> None:
         """Keep ``task`` until it ends (:meth:`settle` waits for it)."""
@@ -1180,6 +1242,7 @@ class Daemon:
         # The old weights' and context's keys take the new figures; the temporary key's bytes become the new
         # context's key (the new runtime is loaded with its context), so the bytes are never counted for neither.
         self.ledger.release(context_key(model.key))
+        self.ledger.release(embedding_key(model.key))  # closes with the old runtime; the next request opens one
         self.ledger.adjust(model.key, estimate - context_bytes)
         if context_bytes:
             self.ledger.adjust(reload_key(model.key), context_bytes)

@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 KEEP = 200
 
-Surface = Literal["magn", "lines", "openai"]
+Surface = Literal["magn", "lines", "openai", "responses", "anthropic"]
+"""Who asked: a socket protocol, or an HTTP API (OpenAI chat and completions, OpenAI Responses, Anthropic Messages)."""
 Outcome = Literal["ok", "error", "cancelled"]
 
 

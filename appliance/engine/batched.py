@@ -8,16 +8,20 @@ The daemon's runtime (:mod:`appliance.engine.runtime`) is one :class:`ModelWeigh
   Sequences join (:meth:`~BatchedContext.add`) and leave (:meth:`~BatchedContext.cancel`) between steps; each
   :meth:`~BatchedContext.step` is ONE ``llama_decode`` of a batch made by
   :func:`appliance.engine.schedule.plan_step`: one decode token for every generating sequence, then prompt
-  chunks (continuous batching, chunked prefill). Every sequence samples with its own sampler chain (its own
-  temperature, top-k, top-p and seed) from its own output row. A sequence's KV cells and bookkeeping can be
+  chunks (continuous batching, chunked prefill). Every sequence samples with its own sampler
+  (:class:`~appliance.engine.sampler.SequenceSampler`: its bias, penalties, grammar, top-k, top-p, min-p,
+  temperature, seed and log-probabilities) from its own output row. A sequence's KV cells and bookkeeping can be
   copied to host bytes (:meth:`~BatchedContext.save`) and restored into any free sequence id.
 * Greedy output of a sequence equals the same prompt run alone (tests/test_batched.py compares tokens, and
-  logits within a tolerance).
+  logits within a tolerance), whatever the others sample with (tests/test_sampling_chain.py).
 
 Threading: nothing here locks. Every call on a weights object and its contexts must come from ONE thread; in
 the daemon that is the device's engine thread (:class:`appliance.engine.worker.FairWorker`), which already owns
 every llama.cpp call (llama.cpp contexts are not thread-safe, and one OpenMP pool per process). A context
-remembers the thread that built it and refuses calls from any other.
+remembers the thread that built it and refuses calls from any other. The one exception is a grammar's second draw
+(:meth:`~appliance.engine.sampler.SequenceSampler.draw_constrained`), which a context runs on a thread of its own
+beside the next decode: it touches only that sequence's samplers and a copy of its logits, and the engine thread
+leaves that sequence alone (out of the batch, never freed or saved) until it is waited for.
 
 Measured (03:47 UTC, this 2-core box, lightly shared; 2 threads; N sequences, each a 64-token prompt and 64 greedy
 tokens; aggregate tokens/s = all generated tokens / wall time including the prefill; "one at a time" runs the same
@@ -54,14 +58,20 @@ import hashlib
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from appliance.engine.interface import GREEDY, Sampling, StopReason
+from appliance.engine.interface import GREEDY, Grammar, Sampling, StopReason
+from appliance.engine.sampler import NO_TOKEN, Candidates, Draw, GrammarParts, SequenceSampler
+from appliance.engine.sampling import check_grammar, sampling_error
+from appliance.engine.sampling import check_sampling as check_settings
 from appliance.engine.schedule import SeqEvent, Work, plan_step
+from appliance.engine.triggers import compile_patterns
 from appliance.errors import ApplianceError
 
 GGML_TYPES: dict[str, int] = {
@@ -69,9 +79,15 @@ GGML_TYPES: dict[str, int] = {
 }
 """ggml's type ids of the KV cache types ``models[].cache_type`` allows (``ggml.h``'s ``enum ggml_type``)."""
 
-__all__ = ["BatchedContext", "ModelWeights", "SavedSequence", "SeqEvent"]
+__all__ = ["NO_TOKEN", "BatchedContext", "ModelWeights", "SavedSequence", "SeqEvent"]
 
 log = logging.getLogger(__name__)
+
+GRAMMARS_KEPT = 16
+"""Parsed grammars a model keeps (an agent's tools give the same grammar every turn): each sequence gets a copy."""
+CONTROL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+"""The tokens whose texts llama.cpp's tokenizer matches only with ``parse_special`` (user-defined ones it matches in
+any text, as Hugging Face's tokenizers match added tokens)."""
 
 _backend_ready = False
 
@@ -107,6 +123,11 @@ class ModelWeights:
         self.vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
+        self._control_texts: tuple[str, ...] | None = None
+        self._byte_tokens: list[int | None] | None = None
+        self._grammars: dict[Grammar, GrammarParts] = {}
+        self._candidates: Candidates | None = None
         self._contexts: list[BatchedContext] = []
 
     def __enter__(self) -> ModelWeights:
@@ -119,6 +140,9 @@ class ModelWeights:
         """Free the weights, after closing every context still open on them."""
         for context in list(self._contexts):
             context.close()
+        for parts in self._grammars.values():
+            llama_cpp.llama_sampler_free(parts.prototype)
+        self._grammars.clear()
         if self.model is not None:
             llama_cpp.llama_model_free(self.model)
             self.model = None
@@ -127,31 +151,111 @@ class ModelWeights:
         if self.model is None:
             raise ApplianceError("INTERNAL", "the model's weights are closed")
 
-    def tokenize(self, text: str, *, bos: bool) -> list[int]:
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
+        """``text``'s tokens, after the BOS token when ``bos`` (and the vocabulary adds one); with ``special`` the
+        texts of control tokens (``<|im_start|>``) become those tokens, else they are plain text
+        (``llama_tokenize``'s ``parse_special``)."""
         self._check_open()
         data = text.encode("utf-8")
         size = len(data) + 2
         while True:
             buf = (llama_cpp.llama_token * size)()
-            n = int(llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, bos, False))
+            n = int(llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, bos, special))
             if n >= 0:
                 return list(buf[:n])
             size = -n  # a negative n is the count the text needs
 
     def piece(self, token: int) -> bytes:
-        """The bytes of one token (cached)."""
+        """The bytes of one token as generated text shows it (a control token's are empty; cached)."""
         cached = self._pieces.get(token)
         if cached is None:
-            self._check_open()
-            size = 64
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = int(llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, False))
-                if n >= 0:
-                    break
-                size = -n
-            cached = self._pieces[token] = buf.raw[:n]
+            cached = self._pieces[token] = self._render(token, special=False)
         return cached
+
+    def special_piece(self, token: int) -> bytes:
+        """The bytes of one token with control tokens spelled out (``<|im_end|>``), as a grammar reads them."""
+        cached = self._special_pieces.get(token)
+        if cached is None:
+            cached = self._special_pieces[token] = self._render(token, special=True)
+        return cached
+
+    def _render(self, token: int, *, special: bool) -> bytes:
+        self._check_open()
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special))
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts of the vocabulary's control (and unknown) tokens, longest first (cached): what
+        ``tokenize(special=True)`` turns into those tokens."""
+        if self._control_texts is None:
+            self._check_open()
+            texts = set()
+            for token in range(self.n_vocab):
+                if int(llama_cpp.llama_vocab_get_attr(self.vocab, token)) & CONTROL_ATTRS:
+                    text = (llama_cpp.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+                    if text:
+                        texts.add(text)
+            self._control_texts = tuple(sorted(texts, key=longest_first))
+        return self._control_texts
+
+    def byte_token(self, value: int) -> int | None:
+        """A token whose text is the one byte ``value`` (None when the vocabulary has none; cached)."""
+        if self._byte_tokens is None:
+            found: list[int | None] = [None] * 256
+            for token in range(self.n_vocab):
+                piece = self.special_piece(token)
+                if len(piece) == 1 and found[piece[0]] is None:
+                    found[piece[0]] = token
+            self._byte_tokens = found
+        return self._byte_tokens[value]
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        """Refuse (``BAD_REQUEST``) settings this model cannot sample with, its grammar parsed (and kept) now."""
+        check_settings(sampling, self.n_vocab)
+        if sampling.grammar is not None:
+            self.grammar_parts(sampling.grammar)
+
+    def grammar_parts(self, grammar: Grammar) -> GrammarParts:
+        """``grammar`` parsed by llama.cpp for this vocabulary, its trigger tokens resolved to ids (the last
+        :data:`GRAMMARS_KEPT` kept). A grammar llama.cpp cannot parse, a trigger pattern that is not a regex and a
+        trigger token that is not exactly one token are ``BAD_REQUEST`` (``param: grammar``)."""
+        cached = self._grammars.pop(grammar, None)
+        if cached is None:
+            cached = self._parse_grammar(grammar)
+            while len(self._grammars) >= GRAMMARS_KEPT:
+                oldest = next(iter(self._grammars))
+                llama_cpp.llama_sampler_free(self._grammars.pop(oldest).prototype)
+        self._grammars[grammar] = cached  # the most recently used last
+        return cached
+
+    def _parse_grammar(self, grammar: Grammar) -> GrammarParts:
+        self._check_open()
+        check_grammar(grammar)
+        patterns = compile_patterns(grammar.trigger_patterns)
+        tokens = []
+        for text in grammar.trigger_tokens:
+            ids = self.tokenize(text, bos=False, special=True)
+            if len(ids) != 1:
+                raise sampling_error("grammar", f"the trigger token {text!r} is {len(ids)} tokens in this model's "
+                                     "vocabulary, not one", trigger_token=text, tokens=len(ids))
+            tokens.append(ids[0])
+        prototype = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.gbnf.encode("utf-8"),
+                                                         grammar.root.encode("utf-8"))
+        if not prototype:  # llama.cpp logs the parser's reason
+            raise sampling_error("grammar", "llama.cpp cannot parse the grammar (a syntax error, an undefined or "
+                                 "left-recursive rule, or no rule named as its root)", root=grammar.root)
+        return GrammarParts(prototype, patterns, frozenset(tokens))
+
+    def candidates(self) -> Candidates:
+        """The buffer every sequence of this model samples in (one at a time, on the engine thread)."""
+        if self._candidates is None:
+            self._candidates = Candidates(self.n_vocab)
+        return self._candidates
 
     def is_end(self, token: int) -> bool:
         self._check_open()
@@ -180,6 +284,10 @@ class ModelWeights:
         return digest.hexdigest()
 
 
+def longest_first(text: str) -> tuple[int, str]:
+    return -len(text), text
+
+
 @dataclass(frozen=True)
 class SavedSequence:
     """A sequence parked in host RAM: its KV cells (``state``, llama.cpp's per-sequence state bytes, positions
@@ -194,6 +302,7 @@ class SavedSequence:
     max_tokens: int
     sampling: Sampling
     done: bool
+    seen: tuple[int, ...] = ()  # the tokens before the generated ones that its penalties count
 
 
 @dataclass(eq=False)
@@ -203,31 +312,18 @@ class _Sequence:
     pending: list[int]
     max_tokens: int
     sampling: Sampling
-    sampler: llama_cpp.llama_sampler_p
+    sampler: SequenceSampler
+    seen: tuple[int, ...] = ()
     generated: list[int] = field(default_factory=list)
     done: bool = False
+    drawing: Future[Draw] | None = None  # its grammar's draw, running beside the decode
+    drawn_from: np.ndarray | None = None  # the logits row that draw reads (a copy)
 
     def cells(self) -> int:
         """KV cells this sequence holds now or may still claim: what it has, what is pending, what it may yet
         generate."""
         left = 0 if self.done else self.max_tokens - len(self.generated)
         return self.n_past + len(self.pending) + left
-
-
-def _sampler_chain(sampling: Sampling) -> llama_cpp.llama_sampler_p:
-    """A sequence's own chain: greedy at temperature 0, else top-k, top-p, temperature and a seeded draw."""
-    params = llama_cpp.llama_sampler_chain_default_params()
-    params.no_perf = True
-    chain = llama_cpp.llama_sampler_chain_init(params)
-    if sampling.temperature <= 0.0:
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        return chain
-    if sampling.top_k > 0:
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(sampling.top_k))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-    return chain
 
 
 class BatchedContext:
@@ -299,6 +395,9 @@ class BatchedContext:
         self._seqs: dict[int, _Sequence] = {}  # generating, in join order
         self._resting: dict[int, int] = {}  # seq id -> cells, for sequences between two generations
         self._outputs: dict[int, int] = {}  # seq id -> its output row in the last step's batch
+        self._drawn: dict[int, np.ndarray] = {}  # seq id -> the row its draw beside a decode read (last step)
+        self._ready: list[tuple[SeqEvent, np.ndarray]] = []  # draws settled between two steps (their rows)
+        self._drawer: ThreadPoolExecutor | None = None  # where grammar draws run beside the decode
         self.last_batch = 0  # tokens in the last step's batch (at most n_batch)
         weights._contexts.append(self)
 
@@ -313,10 +412,16 @@ class BatchedContext:
             return
         self._check_thread()
         for seq in self._seqs.values():
-            llama_cpp.llama_sampler_free(seq.sampler)
+            self._settle(seq, keep=False)
+            seq.sampler.free()
+        if self._drawer is not None:
+            self._drawer.shutdown(wait=True)
+            self._drawer = None
         self._seqs.clear()
         self._resting.clear()
         self._outputs.clear()
+        self._drawn.clear()
+        self._ready.clear()
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self.ctx)
         self.ctx = None
@@ -356,11 +461,13 @@ class BatchedContext:
         return sum(seq.cells() for seq in self._seqs.values()) + sum(self._resting.values())
 
     def add(self, seq_id: int, prompt_tokens: Sequence[int], sampling: Sampling = GREEDY,
-            max_tokens: int = 16, *, n_past: int = 0) -> None:
+            max_tokens: int = 16, *, n_past: int = 0, seen: Sequence[int] | None = None) -> None:
         """Sequence ``seq_id`` joins with ``prompt_tokens`` (prefilled over the next steps, in chunks) and will
-        generate up to ``max_tokens`` tokens with ``sampling``. With ``n_past``, the id is a resting sequence
+        generate up to ``max_tokens`` tokens with ``sampling`` (its own sampler: :mod:`appliance.engine.sampler`;
+        settings it cannot take are ``BAD_REQUEST``, nothing changed). With ``n_past``, the id is a resting sequence
         (:meth:`finish`, :meth:`copy`, :meth:`load_state`) whose first ``n_past`` cells the prompt continues (its
-        cells past them are dropped)."""
+        cells past them are dropped). ``seen``: the tokens its penalties count before its first generated one
+        (default: ``prompt_tokens``; the daemon passes the whole conversation)."""
         self._check_thread()
         self._check_free(seq_id, resting_ok=True)
         if not prompt_tokens:
@@ -373,11 +480,17 @@ class BatchedContext:
                                  {"seq_id": seq_id, "n_past": n_past, "cells": resting})
         self._check_tokens(prompt_tokens)
         self._check_room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        sampler, kept = self._sampler(sampling, prompt_tokens if seen is None else seen)
         if resting > n_past:
             llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_past, -1)
         self._resting.pop(seq_id, None)
-        self._seqs[seq_id] = _Sequence(seq_id, n_past, list(prompt_tokens), max_tokens, sampling,
-                                       _sampler_chain(sampling))
+        self._seqs[seq_id] = _Sequence(seq_id, n_past, list(prompt_tokens), max_tokens, sampling, sampler, kept)
+
+    def _sampler(self, sampling: Sampling, seen: Sequence[int]) -> tuple[SequenceSampler, tuple[int, ...]]:
+        """A sequence's own sampler, and the tokens it was told of (those its penalties look at)."""
+        self.weights.check_sampling(sampling)
+        kept = tuple(seen[len(seen) - sampling.penalty_last_n:]) if sampling.penalty_last_n > 0 else ()
+        return SequenceSampler(self.weights, self.weights.candidates(), sampling, kept), kept
 
     def cancel(self, seq_id: int) -> None:
         """Remove sequence ``seq_id`` (generating or resting): its KV cells, its sampler, its state. No other
@@ -388,10 +501,8 @@ class BatchedContext:
             del self._resting[seq_id]
             return
         seq = self._sequence(seq_id)
+        self._drop(seq)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-        llama_cpp.llama_sampler_free(seq.sampler)
-        del self._seqs[seq_id]
-        self._outputs.pop(seq_id, None)
 
     # -- resting sequences -----------------------------------------------------------------------------
     # A conversation between two requests: its KV cells stay in the cache, without a sampler or pending work.
@@ -401,14 +512,21 @@ class BatchedContext:
         cells it keeps."""
         self._check_thread()
         seq = self._sequence(seq_id)
+        self._drop(seq)
         cells = seq.n_past if keep is None else max(0, min(keep, seq.n_past))
         if cells < seq.n_past:
             llama_cpp.llama_memory_seq_rm(self.memory, seq_id, cells, -1)
-        llama_cpp.llama_sampler_free(seq.sampler)
-        del self._seqs[seq_id]
-        self._outputs.pop(seq_id, None)
         self._resting[seq_id] = cells
         return cells
+
+    def _drop(self, seq: _Sequence) -> None:
+        """Forget a generating sequence: its draw in flight (waited for), its sampler, its undelivered events."""
+        self._settle(seq, keep=False)
+        seq.sampler.free()
+        del self._seqs[seq.seq_id]
+        self._outputs.pop(seq.seq_id, None)
+        self._drawn.pop(seq.seq_id, None)
+        self._ready = [(event, row) for event, row in self._ready if event.seq_id != seq.seq_id]
 
     def cells(self, seq_id: int) -> int:
         """The KV cells sequence ``seq_id`` holds now (0 for a free id)."""
@@ -492,31 +610,35 @@ class BatchedContext:
         free its cells)."""
         self._check_thread()
         seq = self._sequence(seq_id)
+        self._settle(seq, keep=True)  # its token drawn beside the decode is part of what it saves
         size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
         buffer = (ctypes.c_uint8 * max(size, 1))()
         written = int(llama_cpp.llama_state_seq_get_data(self.ctx, buffer, size, seq_id))
         if written == 0 and size > 0:
             raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
         return SavedSequence(bytes(buffer)[:written], seq.n_past, tuple(seq.pending), tuple(seq.generated),
-                             seq.max_tokens, seq.sampling, seq.done)
+                             seq.max_tokens, seq.sampling, seq.done, seq.seen)
 
     def restore(self, seq_id: int, saved: SavedSequence) -> None:
         """Sequence ``seq_id`` (free) becomes the saved one: its KV cells back in the cache, its pending tokens,
-        its budget; it continues at the next step."""
+        its budget, its sampler told of what it generated (penalties, grammar); it continues at the next step."""
         self._check_thread()
         self._check_free(seq_id)
         self._check_tokens(saved.pending)
         left = 0 if saved.done else saved.max_tokens - len(saved.generated)
         self._check_room(saved.n_past + len(saved.pending) + left)
+        sampler, kept = self._sampler(saved.sampling, saved.seen)
+        sampler.replay(saved.generated)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         if saved.state:
             buffer = (ctypes.c_uint8 * len(saved.state)).from_buffer_copy(saved.state)
             read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(saved.state), seq_id))
             if read == 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+                sampler.free()
                 raise ApplianceError("INTERNAL", "llama.cpp refused the saved sequence state", {"seq_id": seq_id})
-        seq = _Sequence(seq_id, saved.n_past, list(saved.pending), saved.max_tokens, saved.sampling,
-                        _sampler_chain(saved.sampling), list(saved.generated), saved.done)
+        seq = _Sequence(seq_id, saved.n_past, list(saved.pending), saved.max_tokens, saved.sampling, sampler,
+                        kept, list(saved.generated), saved.done)
         self._seqs[seq_id] = seq
 
     # -- decoding --------------------------------------------------------------------------------------
@@ -524,17 +646,27 @@ class BatchedContext:
         """ONE ``llama_decode`` for every sequence with work, then one sampled token for every sequence whose
         pending tokens are all in: its event. No work: no decode, no events.
 
+        A sequence whose grammar refused the chain's pick draws again over what the grammar allows on another
+        thread, beside the next decode (:meth:`~appliance.engine.sampler.SequenceSampler.draw_constrained`), and
+        sits the steps out until its token is drawn: the other sequences' steps never wait for a grammar. Its event
+        comes with the step during which the draw ended (the step waits for it only when nothing else has work).
+
         A decode llama.cpp refuses raises ``INTERNAL`` and advances no sequence (a retry decodes the same batch);
         it stops the step for all, so the caller cancels the sequence at fault. Bad input is refused before it
         joins (:meth:`add`, :meth:`restore`) so that this does not happen."""
         self._check_thread()
-        work = [Work(seq.seq_id, len(seq.pending), bool(seq.generated))
-                for seq in self._seqs.values() if not seq.done]
-        takes = plan_step(work, self.n_batch, self.prefill_limit)
         self._outputs.clear()
+        self._drawn = {event.seq_id: row for event, row in self._ready}
         self.last_batch = 0
+        events = [event for event, _ in self._ready] + self._collect(wait=False, failed=True)
+        self._ready = []
+        work = [Work(seq.seq_id, len(seq.pending), bool(seq.generated))
+                for seq in self._seqs.values() if not seq.done and seq.drawing is None]
+        takes = plan_step(work, self.n_batch, self.prefill_limit)
         if not takes:
-            return []
+            if not events and any(seq.drawing is not None for seq in self._seqs.values()):
+                events = self._collect(wait=True, failed=True)  # only draws left: wait for one
+            return events
         batch = self._batch
         index = 0
         rows: dict[int, int] = {}
@@ -564,31 +696,104 @@ class BatchedContext:
             seq = self._seqs[take.seq_id]
             seq.n_past += take.count
             del seq.pending[:take.count]
-        events = [self._sample(self._seqs[seq_id], row) for seq_id, row in rows.items()]
         self._outputs = rows
-        return events
+        for seq_id, row in rows.items():
+            event = self._sample(self._seqs[seq_id], row)
+            if event is not None:
+                events.append(event)
+        return events + self._collect(wait=False, failed=False)
 
     def logits(self, seq_id: int) -> np.ndarray:
-        """A copy of the logits sequence ``seq_id`` sampled from in the last step (only if it sampled there)."""
+        """A copy of the logits sequence ``seq_id``'s event of the last step was sampled from."""
         self._check_thread()
+        drawn = self._drawn.get(seq_id)
+        if drawn is not None:
+            return drawn.copy()
         row = self._outputs.get(seq_id)
         if row is None:
             raise ApplianceError("BAD_REQUEST", "the sequence sampled nothing in the last step", {"seq_id": seq_id})
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(pointer, shape=(self.weights.n_vocab,)).copy()
 
-    def _sample(self, seq: _Sequence, row: int) -> SeqEvent:
-        token = int(llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, row))  # accepts the token too
+    def _sample(self, seq: _Sequence, row: int) -> SeqEvent | None:
+        """The sequence's next token from its output ``row``; None when its grammar's draw goes on beside the
+        next decode (its event comes later)."""
+        pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.weights.n_vocab,))
+        draw = seq.sampler.draw(logits)
+        if draw is not None:
+            return self._event(seq, draw)
+        if self._drawer is None:
+            self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-draw")
+        seq.drawn_from = logits.copy()  # the next decode overwrites the context's rows
+        seq.drawing = self._drawer.submit(seq.sampler.draw_constrained, seq.drawn_from)
+        return None
+
+    def _collect(self, *, wait: bool, failed: bool) -> list[SeqEvent]:
+        """The events of the draws beside the decode that have ended (``wait``: at least one, waited for). A draw
+        that raised raises here when ``failed`` (before a decode: then no sequence has advanced), else waits for
+        the next step."""
+        drawing = [seq for seq in self._seqs.values() if seq.drawing is not None]
+        if wait and drawing:
+            futures.wait([seq.drawing for seq in drawing if seq.drawing is not None],
+                         return_when=futures.FIRST_COMPLETED)
+        events = []
+        for seq in drawing:
+            future = seq.drawing
+            if future is not None and future.done() and (failed or future.exception() is None):
+                events.append(self._finish_draw(seq))
+        return events
+
+    def _settle(self, seq: _Sequence, *, keep: bool) -> None:
+        """Wait for ``seq``'s draw in flight (if any): with ``keep`` it takes its token, whose event the next
+        :meth:`step` delivers; else the draw is dropped."""
+        future = seq.drawing
+        if future is None:
+            return
+        futures.wait([future])
+        if keep:
+            row = seq.drawn_from
+            event = self._finish_draw(seq)
+            assert row is not None
+            self._ready.append((event, row))
+        else:
+            seq.drawing = None
+            seq.drawn_from = None
+
+    def _finish_draw(self, seq: _Sequence) -> SeqEvent:
+        assert seq.drawing is not None and seq.drawn_from is not None
+        future, row = seq.drawing, seq.drawn_from
+        seq.drawing = None
+        seq.drawn_from = None
+        draw = future.result()  # what it raised, it raises here, on the engine thread
+        self._drawn[seq.seq_id] = row
+        return self._event(seq, draw)
+
+    def _event(self, seq: _Sequence, draw: Draw) -> SeqEvent:
+        """The sequence takes its drawn token. Every end-of-generation token of the vocabulary
+        (``llama_vocab_is_eog``: ``<|im_end|>``, ``<|eot_id|>``, ...) ends it without its text; a grammar that
+        allows no token ends it with ``"stop"`` and no token (:data:`NO_TOKEN`)."""
+        if draw.token == NO_TOKEN:
+            seq.done = True
+            return SeqEvent(seq.seq_id, NO_TOKEN, b"", True, "stop")
+        token = draw.token
         seq.generated.append(token)
         seq.pending.append(token)
         reason: StopReason | None = None
         if self.weights.is_end(token):
             reason = "eos"
+        elif draw.stop:
+            reason = "stop"
         elif len(seq.generated) >= seq.max_tokens:
             reason = "length"
         seq.done = reason is not None
-        piece = b"" if reason == "eos" else self.weights.piece(token)
-        return SeqEvent(seq.seq_id, token, piece, seq.done, reason)
+        if reason == "eos":
+            piece = b""
+        elif draw.special:
+            piece = self.weights.special_piece(token)
+        else:
+            piece = self.weights.piece(token)
+        return SeqEvent(seq.seq_id, token, piece, seq.done, reason, draw.logprobs)
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_thread(self) -> None:

@@ -12,13 +12,18 @@
 
 Fake tokens: ``BOS`` starts a conversation, every prompt character is one token (its code point) and every
 generated token is a lowercase letter chosen by a hash of everything before it (see :func:`next_token`), so a
-conversation continued after a KV swap produces exactly what an uninterrupted one does.
+conversation continued after a KV swap produces exactly what an uninterrupted one does. The fake vocabulary has no
+control tokens: a :class:`~appliance.engine.interface.Prompt` is its text, one token per character. Sampling
+settings are checked as the real engine checks them (a grammar's bounds, not its GBNF, which the fake cannot run),
+and asked-for log-probabilities are made up (:func:`fake_logprobs`); what a constrained model would write (a tool
+call) is scripted with :attr:`FakeEngine.script`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 import time
 from array import array
@@ -32,11 +37,15 @@ from appliance.engine.interface import (
     GREEDY,
     Conversation,
     EngineProtocol,
+    PromptText,
     RuntimeProtocol,
     Sampling,
     StopReason,
     Token,
+    TokenLogprob,
+    TokenLogprobs,
 )
+from appliance.engine.sampling import check_grammar, check_sampling
 from appliance.engine.schedule import SeqEvent
 from appliance.engine.slots import ColdNeeded, Request, RequestRunner, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
@@ -45,6 +54,7 @@ from appliance.errors import ApplianceError
 BOS = 1
 EOS = 2
 LONGEST_PIECE = 4  # bytes: a fake token is one character
+N_VOCAB = 0x110000  # a token per code point
 
 FAKE_VOCABULARY = "fake-vocabulary"
 """The vocabulary digest of a fake runtime unless :meth:`FakeEngine.set_vocabulary` says otherwise."""
@@ -163,6 +173,10 @@ def fresh_text(prompt: str, n: int) -> str:
     return out
 
 
+def unscripted(sampling: Sampling) -> str | None:
+    return None
+
+
 def tokenize(text: str, *, bos: bool) -> list[int]:
     """Fake tokens: one per character (its code point), after ``BOS`` when ``bos``."""
     return ([BOS] if bos else []) + [ord(c) for c in text] if text else []
@@ -172,10 +186,21 @@ def piece(token: int) -> str:
     return "" if token in (BOS, EOS) else chr(token)
 
 
+def fake_logprobs(token: int, top: int) -> TokenLogprobs:
+    """Made-up log-probabilities with the real ones' shape: the sampled token has probability 1/2 and is the likeliest;
+    the next ``top - 1`` alternatives (the following letters) have 1/4, 1/8, ..."""
+    alternatives = [token] + [ord("a") + (token - ord("a") + k) % 26 for k in range(1, top)]
+    entries = tuple(TokenLogprob(t, piece(t).encode("utf-8"), -math.log(2.0) * (k + 1))
+                    for k, t in enumerate(alternatives[:top]))
+    return TokenLogprobs(TokenLogprob(token, piece(token).encode("utf-8"), -math.log(2.0)), entries)
+
+
 @dataclass(eq=False)
 class _FakeSequence:
     pending: list[int]
     max_tokens: int
+    sampling: Sampling = GREEDY
+    script: list[int] | None = None  # the tokens it generates instead of the fake model's, then EOS
     generated: int = 0
     done: bool = False
 
@@ -207,7 +232,7 @@ class FakeContext:
                                  {"n_ctx": self.n_ctx, "claimed": claimed, "requested": cells})
 
     def add(self, seq_id: int, prompt_tokens: list[int], sampling: Sampling, max_tokens: int, *,
-            n_past: int = 0) -> None:
+            n_past: int = 0, seen: list[int] | None = None) -> None:
         if seq_id in self.running:
             raise ApplianceError("BAD_REQUEST", "the sequence id is in use", {"seq_id": seq_id})
         cells = self.kv.get(seq_id, [])
@@ -215,8 +240,10 @@ class FakeContext:
             raise ApplianceError("BAD_REQUEST", "the sequence holds fewer cells than it continues",
                                  {"seq_id": seq_id, "n_past": n_past, "cells": len(cells)})
         self._room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        scripted = self.engine.script(sampling)
         self.kv[seq_id] = cells[:n_past]
-        self.running[seq_id] = _FakeSequence(list(prompt_tokens), max_tokens)
+        self.running[seq_id] = _FakeSequence(list(prompt_tokens), max_tokens, sampling,
+                                             None if scripted is None else [ord(c) for c in scripted])
 
     def has_work(self) -> bool:
         return any(not seq.done for seq in self.running.values())
@@ -231,7 +258,10 @@ class FakeContext:
             self.last_batch += len(seq.pending)
             cells.extend(seq.pending)
             seq.pending = []
-            token = EOS if self.engine.eos_when(list(cells)) else next_token(cells)
+            if seq.script is not None:
+                token = seq.script[seq.generated] if seq.generated < len(seq.script) else EOS
+            else:
+                token = EOS if self.engine.eos_when(list(cells)) else next_token(cells)
             seq.generated += 1
             seq.pending.append(token)
             reason: StopReason | None = "eos" if token == EOS else None
@@ -239,7 +269,10 @@ class FakeContext:
                 reason = "length"
             seq.done = reason is not None
             self.engine.tokens_generated += 1
-            events.append(SeqEvent(seq_id, token, piece(token).encode("utf-8"), seq.done, reason))
+            top = seq.sampling.logprobs
+            logprobs = None if top is None else fake_logprobs(token, top)
+            events.append(SeqEvent(seq_id, token, b"" if reason == "eos" else piece(token).encode("utf-8"),
+                                   seq.done, reason, logprobs))
         self.steps += 1
         return events
 
@@ -331,8 +364,16 @@ class FakeRuntime(SlotRuntime):
         self._check()
         return self.vocabulary_digest
 
-    def tokenize(self, text: str, *, bos: bool) -> list[int]:
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
         return tokenize(text, bos=bos)
+
+    def control_texts(self) -> tuple[str, ...]:
+        return ()
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        check_sampling(sampling, N_VOCAB)
+        if sampling.grammar is not None:
+            check_grammar(sampling.grammar)
 
     def piece(self, token: int) -> bytes:
         return piece(token).encode("utf-8")
@@ -348,7 +389,7 @@ class FakeRuntime(SlotRuntime):
         self._check()
         return super().close_context()
 
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
+    def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
               before_park: Callable[[Conversation], None] | None = None,
@@ -400,6 +441,8 @@ class FakeEngine:
     * :meth:`set_vocabulary`: the vocabulary digest the runtimes of a model file report (default
       :data:`FAKE_VOCABULARY`), read at load time: a test changes it to reload a model with another vocabulary.
     * ``eos_when``: a predicate on the conversation's tokens; when it is true the next token is ``EOS``.
+    * ``script``: given a request's sampling, the text it generates instead of the fake model's (then ``EOS``), or
+      None (default: always None): a test makes a request with a grammar write a tool call.
     * Records: ``loads`` (every load attempt's path, in order), ``checks`` (every :meth:`check`'s path),
       ``runtimes`` (those that succeeded), ``tokens_generated``, ``closed``.
     """
@@ -415,6 +458,7 @@ class FakeEngine:
         self.tokens_generated = 0
         self.closed = False
         self.eos_when: Callable[[list[int]], bool] = lambda tokens: False
+        self.script: Callable[[Sampling], str | None] = unscripted
         self._failures: dict[str, BaseException | None] = {}
         self._vocabularies: dict[str, str] = {}
         self._worker = FairWorker("fake-engine")

@@ -118,6 +118,7 @@ class Generation:
     prompt_evaluated: int | None = None  # tokens evaluated before the first new one (shared prefixes skip some)
     reused: int = 0  # prompt cells borrowed from another conversation (a shared prefix)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per generated token, when the request asked for them
+    stop_sequence: str | None = None  # the request's stop string that ended it
 
     @property
     def generated_tokens(self) -> int:
@@ -269,7 +270,7 @@ class RuntimeProtocol(Protocol):
         """Park every live conversation in host RAM and free the context (no request may be in flight)."""
         ...
 
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = ..., *,
+    def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = ..., *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Any], None] | None = None, ephemeral: bool = False,
               before_park: Callable[[Conversation], None] | None = None, cold: bool = False) -> Any:
@@ -286,7 +287,7 @@ class RuntimeProtocol(Protocol):
         """Forget ``conv`` (its agent left, or a stateless request ended); its host buffer is dropped."""
         ...
 
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = ...,
+    def generate(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = ...,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
         """One request run to its end alone (tests, benchmarks)."""

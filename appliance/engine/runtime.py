@@ -17,13 +17,15 @@ import ctypes.util
 import functools
 import logging
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 from appliance.engine import modelcheck, plans
 from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.batched import BatchedContext, ModelWeights
+from appliance.engine.embedding import Embeddings, check_dimensions, context_size
+from appliance.engine.embedding_context import EmbeddingContext
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
     Conversation,
@@ -80,6 +82,8 @@ class Runtime(SlotRuntime):
         self.longest_piece = self.weights.longest_piece()
         self._vocabulary: str | None = None
         self.context: BatchedContext | None = None
+        self.embeddings: EmbeddingContext | None = None  # opened at the first embeddings request
+        self.embedding_threads = n_threads
         self.slots = Slots(None, self, n_ctx=n_ctx)
         try:
             self.open_context()
@@ -122,12 +126,43 @@ class Runtime(SlotRuntime):
     def piece(self, token: int) -> bytes:
         return self.weights.piece(token)
 
-    def tokenize(self, text: str, *, bos: bool) -> list[int]:
-        return self.weights.tokenize(text, bos=bos) if text else []
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
+        return self.weights.tokenize(text, bos=bos, special=special) if text else []
+
+    def control_texts(self) -> tuple[str, ...]:
+        return self.weights.control_texts()
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        self.weights.check_sampling(sampling)
+
+    # -- embeddings (models[].embeddings) -------------------------------------------------------------
+    @property
+    def has_embeddings(self) -> bool:
+        return self.embeddings is not None
+
+    def open_embeddings(self) -> None:
+        """Build the embeddings context (:mod:`appliance.engine.embedding`) if it is not open."""
+        if self.embeddings is None:
+            self.embeddings = EmbeddingContext(self.weights, n_ctx=context_size(self.n_ctx),
+                                               n_threads=self.embedding_threads)
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], dimensions: int | None = None) -> Embeddings:
+        """The normalised embedding of each input (a text, tokenized with the model's BOS, or token ids);
+        ``dimensions``, when given, must be the model's."""
+        context = self.embeddings
+        if context is None:
+            raise ApplianceError("INTERNAL", f"model {self.path.name} has no embeddings context")
+        check_dimensions(dimensions, context.dimensions)
+        tokens = [self.weights.tokenize(item, bos=True) if isinstance(item, str) else list(item) for item in inputs]
+        return Embeddings(tuple(context.embed(tokens)), sum(len(t) for t in tokens), context.dimensions,
+                          context.pooling_name)
 
     def close(self) -> None:
         self.cancel_all(ApplianceError("SHUTTING_DOWN"))
         self.free_contexts()
+        if self.embeddings is not None:
+            self.embeddings.close()
+            self.embeddings = None
         self.weights.close()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from appliance.engine.interface import StopReason
+from appliance.engine.interface import StopReason, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,13 @@ def plan_step(work: Sequence[Work], n_batch: int, prefill_limit: int | None = No
 @dataclass(frozen=True)
 class SeqEvent:
     """One sampled token of one sequence: ``piece`` its bytes (empty for an end-of-generation token); ``done``
-    with ``stop_reason`` (``"eos"`` or ``"length"``) on its last. Stop strings are the caller's
-    (:class:`~appliance.engine.streamtext.StreamText`)."""
+    with ``stop_reason`` on its last (``"eos"``, ``"length"``, or ``"stop"`` when its grammar can go no further:
+    then ``token`` may be -1, none sampled); ``logprobs`` when its request asked for them. Stop strings are the
+    caller's (:class:`~appliance.engine.streamtext.StreamText`)."""
 
     seq_id: int
     token: int
     piece: bytes
     done: bool
     stop_reason: StopReason | None
+    logprobs: TokenLogprobs | None = None

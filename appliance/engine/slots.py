@@ -17,6 +17,9 @@ parked in host RAM, which prefix is reused, and each request's stream (SPEC L5, 
   live sequence (llama.cpp shares the cells: ``llama_memory_seq_cp``) or a parked conversation (its state is
   loaded, then cut) already holds; ``Generation.prompt_evaluated`` says how many tokens were really evaluated.
 * **Rollback.** A cancelled or failed request leaves its conversation as it was before (tokens and cells).
+* **Prompts** are raw text or a :class:`~appliance.engine.interface.Prompt` with control tokens
+  (:mod:`appliance.engine.prompts`); a ``Prompt`` with ``history`` is the conversation's whole text, of which the
+  conversation keeps its longest common token prefix (:meth:`Slots.begin`).
 """
 
 from __future__ import annotations
@@ -31,12 +34,16 @@ from appliance.engine.interface import (
     GREEDY,
     Conversation,
     Generation,
+    Prompt,
+    PromptText,
     Sampling,
     StopReason,
     Token,
+    TokenLogprobs,
     check_prompt_size,
     tokens_to_generate,
 )
+from appliance.engine.prompts import prompt_text, tokenize_prompt
 from appliance.engine.streamtext import StreamText
 from appliance.errors import ApplianceError
 
@@ -56,10 +63,11 @@ class PoolTooSmall(Exception):
 
 class SampledToken(Protocol):
     seq_id: int
-    token: int
+    token: int  # negative: none (the sequence's grammar allowed no token; ``stop_reason`` is "stop")
     piece: bytes
     done: bool
     stop_reason: StopReason | None
+    logprobs: TokenLogprobs | None
 
 
 class SequenceContext(Protocol):
@@ -70,7 +78,7 @@ class SequenceContext(Protocol):
     n_seq_max: int
 
     def add(self, seq_id: int, prompt_tokens: list[int], sampling: Sampling, max_tokens: int, *,
-            n_past: int = 0) -> None: ...
+            n_past: int = 0, seen: list[int] | None = None) -> None: ...
 
     def step(self) -> list[SampledToken]: ...
 
@@ -103,9 +111,13 @@ class SequenceContext(Protocol):
 class Vocabulary(Protocol):
     longest_piece: int
 
-    def tokenize(self, text: str, *, bos: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]: ...
 
     def piece(self, token: int) -> bytes: ...
+
+    def control_texts(self) -> tuple[str, ...]: ...
+
+    def check_sampling(self, sampling: Sampling) -> None: ...
 
 
 @dataclass(eq=False)
@@ -129,6 +141,7 @@ class Request:
     reused: int = 0  # prompt cells borrowed from another sequence or a parked conversation
     evaluated: int = 0  # tokens evaluated before the first sampled token
     out: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token of ``out``, when asked for
     ttft: float | None = None
     need: int = 0  # cells its conversation may hold by its end (conversation + prompt + n_tokens)
     demand: int = 0  # cells the context had to hold for it to run: its need + the other requests' in flight
@@ -172,29 +185,47 @@ class Slots:
         return conv.seq is not None and self.holders.get(conv.seq) is conv
 
     # -- requests --------------------------------------------------------------------------------------
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling, *,
+    def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
               before_park: Callable[[Conversation], None] | None = None) -> Request | None:
         """Start a request: ``conv`` continues with ``prompt`` and up to ``n_tokens`` tokens. None when every
         sequence or the cells it needs are held by requests in flight (ask again after a :meth:`step` ended one).
         ``before_park`` is told of each conversation about to be parked for it (to make room in host RAM first).
-        Refusals (``BAD_REQUEST``, ``CONTEXT_OVERFLOW``) change nothing."""
+        Refusals (``BAD_REQUEST``, ``CONTEXT_OVERFLOW``) change nothing.
+
+        A :class:`~appliance.engine.interface.Prompt` with ``history`` is the conversation's whole text: the
+        conversation keeps the longest common token prefix of its tokens and the prompt's (at least one prompt
+        token is left to evaluate, for the logits of the first new token), its cells past it go (a parked
+        conversation's state is restored, then cut), and the rest of the prompt is evaluated. The cut stays when
+        the request is cancelled or fails (the conversation then ends at the common prefix)."""
         if self.holds(conv) and conv.seq in self.requests:
             raise ApplianceError("INTERNAL", "a conversation with a request in flight got another")
+        text = prompt_text(prompt)
         try:
-            data = prompt.encode("utf-8")
+            data = text.encode("utf-8")
         except UnicodeEncodeError:
             raise ApplianceError("BAD_REQUEST", "the prompt is not valid Unicode (it has a lone surrogate)",
                                  {"field": "prompt"}) from None
-        check_prompt_size(self.n_ctx, conv, len(data), self.vocabulary.longest_piece)
-        new = self.vocabulary.tokenize(prompt, bos=not conv.tokens) if data else []
-        n_tokens = tokens_to_generate(self.n_ctx, conv, new, n_tokens)
-        need = len(conv.tokens) + len(new) + n_tokens
+        history = isinstance(prompt, Prompt) and prompt.history
+        check_prompt_size(self.n_ctx, Conversation() if history else conv, len(data), self.vocabulary.longest_piece)
+        self.vocabulary.check_sampling(sampling)
+        if history:
+            whole = tokenize_prompt(self.vocabulary, prompt, bos=True)
+            keep = common_prefix(conv.tokens, whole, max(0, len(whole) - 1))
+            new = whole[keep:]
+            prompt_tokens = len(whole)
+        else:
+            new = tokenize_prompt(self.vocabulary, prompt, bos=not conv.tokens) if data else []
+            keep = len(conv.tokens)
+            prompt_tokens = len(new)
+        kept = conv if keep == len(conv.tokens) else Conversation(tokens=conv.tokens[:keep])
+        n_tokens = tokens_to_generate(self.n_ctx, kept, new, n_tokens)
+        need = keep + len(new) + n_tokens
         if need > self.context.n_ctx:
             raise PoolTooSmall(need)
-        request = Request(conv, len(new), n_tokens, sampling, on_token, cancelled, on_done, ephemeral,
-                          len(conv.tokens), StreamText(sampling.stop, b"" if new else self._primer(conv)),
+        request = Request(conv, prompt_tokens, n_tokens, sampling, on_token, cancelled, on_done, ephemeral,
+                          keep, StreamText(sampling.stop, b"" if new else self._primer(conv)),
                           time.perf_counter())
         request.need = need
         request.demand = need + sum(other.need for other in self.requests.values())
@@ -204,17 +235,19 @@ class Slots:
             return None
         if not self.holds(conv):
             request.restored = self._place(conv, seq_id)
-        tokens = conv.tokens + new
-        cells = self.context.cells(seq_id)
+        tokens = conv.tokens[:keep] + new
+        cells = min(self.context.cells(seq_id), keep)  # its own cells hold its tokens: those past the prefix go
         if cells == 0:
             cells = self._borrow(seq_id, tokens, request)
         cells = min(cells, len(tokens) - 1)  # at least one token is evaluated: its logits give the first token
-        conv.tokens.extend(new)
         try:
-            self.context.add(seq_id, tokens[cells:], sampling, n_tokens, n_past=cells)
+            self.context.add(seq_id, tokens[cells:], sampling, n_tokens, n_past=cells, seen=tokens)
         except BaseException:
-            del conv.tokens[request.before:]
+            if request.reused:  # borrowed cells hold this prompt's tokens, which the conversation does not take
+                self.context.truncate(seq_id, 0)
             raise
+        del conv.tokens[keep:]
+        conv.tokens.extend(new)
         conv.n_evaluated = cells
         request.evaluated = len(tokens) - cells
         request.seq_id = seq_id
@@ -412,19 +445,26 @@ class Slots:
         conv = request.conv
         if request.ttft is None:
             request.ttft = now - request.started
+        if event.token < 0:  # its grammar allowed no token: it ends here, what was held back streamed
+            held = request.stream.flush()
+            if held and request.on_token is not None:
+                request.on_token(Token(request.out[-1], held, len(request.out) - 1, time.time()))
+            return "stop"
         conv.tokens.append(event.token)
         request.out.append(event.token)
+        if event.logprobs is not None:
+            request.logprobs.append(event.logprobs)
         index = len(request.out) - 1
         if event.stop_reason == "eos":
             held = request.stream.flush()
             if held and request.on_token is not None:
-                request.on_token(Token(event.token, held, index, time.time()))
+                request.on_token(Token(event.token, held, index, time.time(), event.logprobs))
             return "eos"
-        last = len(request.out) >= request.n_tokens
+        last = len(request.out) >= request.n_tokens or event.stop_reason == "stop"
         text = request.stream.push(event.piece, last=last)
         if request.on_token is not None:
-            request.on_token(Token(event.token, text, index, time.time()))
-        if request.stream.stopped:
+            request.on_token(Token(event.token, text, index, time.time(), event.logprobs))
+        if request.stream.stopped or event.stop_reason == "stop":
             return "stop"
         if event.done or last:
             return "length"
@@ -453,7 +493,8 @@ class Slots:
         request.error = error
         request.generation = Generation(request.stream.text, tuple(request.out), request.prompt_tokens, reason,
                                         time.perf_counter() - request.started, request.ttft,
-                                        prompt_evaluated=request.evaluated, reused=request.reused)
+                                        prompt_evaluated=request.evaluated, reused=request.reused,
+                                        logprobs=tuple(request.logprobs), stop_sequence=request.stream.matched)
         if request.ephemeral:
             self.detach(conv)
         self._touch(seq_id)
@@ -512,7 +553,7 @@ class RequestRunner:
     """A request run to its end alone, for any runtime with ``begin``, ``step`` and ``open_cold`` (tests,
     benchmarks)."""
 
-    def generate(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY,
+    def generate(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = GREEDY,
                  on_token: Callable[[Token], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
         """One request run to its end alone (tests, benchmarks): :meth:`begin` (in a cold context when it
@@ -699,7 +740,7 @@ class SlotRuntime(RequestRunner):
         return left
 
     # -- requests --------------------------------------------------------------------------------------
-    def begin(self, conv: Conversation, prompt: str, n_tokens: int, sampling: Sampling = GREEDY, *,
+    def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
               before_park: Callable[[Conversation], None] | None = None,

@@ -27,6 +27,7 @@ class StreamText:
         self.stops = tuple(s for s in stop if s)
         self.pieces: list[str] = []
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the first given of those found earliest)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._decoder.decode(primer)
         self._held = ""
@@ -60,8 +61,12 @@ class StreamText:
     def _stop_at(self, text: str) -> int | None:
         """Where the earliest stop string in ``text`` begins (a stop string can only begin in text not streamed
         yet: streamed text never ends with the beginning of one)."""
-        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
-        return min(found) if found else None
+        found = [(at, index) for index, at in enumerate(text.find(stop) for stop in self.stops) if at >= 0]
+        if not found:
+            return None
+        at, index = min(found)
+        self.matched = self.stops[index]
+        return at
 
     def _stop_prefix(self, text: str) -> int:
         """The length of the longest end of ``text`` that is the beginning of a stop string."""

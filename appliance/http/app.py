@@ -119,11 +119,13 @@ async def health(request: Request) -> JSONResponse:
 def create_app(appliance: Appliance) -> Starlette:
     """The HTTP app: health, the OpenAI-compatible API, metrics, the admin page and its static files, behind the
     :class:`~appliance.http.security.Guard` (host allow-list, API token, cross-origin and CSRF checks)."""
-    from appliance.http import admin, metrics, openai
+    from appliance.http import admin, anthropic, metrics, openai
     from appliance.http.admin.login import LoginThrottle
+    from appliance.http.embeddings import routes as embedding_routes
+    from appliance.http.responses import routes as response_routes
 
-    routes = [Route("/v1/health", health), *openai.routes, *metrics.routes, *admin.routes,
-              Mount("/static", StaticFiles(directory=web_dir()), name="static")]
+    routes = [Route("/v1/health", health), *openai.routes, *anthropic.routes, *embedding_routes, *response_routes,
+              *metrics.routes, *admin.routes, Mount("/static", StaticFiles(directory=web_dir()), name="static")]
     middleware = [Middleware(Guard, appliance=appliance)]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     app.state.appliance = appliance

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from appliance.errors import ApplianceError
+from appliance.http import anthropic_schema
 
 OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -22,6 +23,8 @@ OPENAI_TYPES = {
 """OpenAI's ``error.type`` for an HTTP status (anything else, 5xx: ``server_error``)."""
 RETRY_AFTER_S = 1
 """``Retry-After`` on a retryable 429 or 503 (a ledger denial, the connection cap, shutting down)."""
+ANTHROPIC_PATHS = "/v1/messages"
+"""Paths whose errors are in Anthropic's envelope (:func:`appliance.http.anthropic_schema.error_document`)."""
 
 
 def error_body(error: ApplianceError) -> dict[str, Any]:
@@ -43,4 +46,7 @@ def error_response(error: ApplianceError, request: Request | None = None) -> JSO
     headers = {}
     if error.retryable and error.http_status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+    body = error_body(error)
+    if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_schema.error_document(error)
+    return JSONResponse(body, status_code=error.http_status, headers=headers)

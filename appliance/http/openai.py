@@ -10,12 +10,18 @@ plain or streamed as server-sent events. Requests and responses are checked and 
   context in its connection's engine queue. With one, it runs in that agent's conversation, registered on first use
   (owner none: it outlives the connection; ``agent_idle_ttl_s`` expires it; past ``max_agents`` a new one is 429
   ``TOO_MANY_AGENTS``). ``user`` follows the agents' one rule (protocol.identifiers). The client re-sends the
-  whole history every turn; :class:`AgentTexts` keeps, per agent, the text its conversation holds (prompts and
-  completions), and only the new suffix of the rendered prompt is decoded when the prompt starts with it. When it does
-  not (the client edited the history, or a stop string cut the last completion short of what the conversation holds),
-  the conversation is reset and the whole prompt evaluated. ``usage.prompt_tokens`` is OpenAI's total (every token of
-  the prompt the model saw); ``usage.prompt_tokens_details.cached_tokens`` is the part the conversation already held,
-  not evaluated again.
+  whole history every turn, so an agent's prompt is a :class:`~appliance.engine.interface.Prompt` with ``history``:
+  the engine keeps the longest common token prefix of what the conversation holds and the new prompt, and
+  evaluates the rest. ``usage.prompt_tokens`` is OpenAI's total (every token of the prompt the model saw);
+  ``usage.prompt_tokens_details.cached_tokens`` is the part not evaluated again (kept, or shared: SPEC L10).
+* **Prompts.** A chat's messages (with its tools, the history's calls and the tools' results) are rendered by the
+  model's chat template into a ``Prompt`` (:func:`appliance.engine.chat.render_prompt`) whose template text keeps
+  its control tokens and whose message content never becomes one. A completion's ``prompt`` is template text as a
+  whole: control-token texts in it become control tokens, as llama-server does.
+* **Tool calls and structured output.** The grammar of the request's tools (:func:`appliance.engine.toolcalls.
+  grammar`, for the format the template's model writes) or of its ``response_format`` (:mod:`appliance.engine.
+  structured`) constrains the sampling; the output is parsed into ``message.tool_calls`` (streamed: as
+  ``delta.tool_calls`` by :class:`~appliance.engine.toolcalls.StreamParser`).
 * **Cancel.** A client that disconnects, mid-stream or while it waits for a plain response, sets the generation's
   cancel event: the engine stops at its next token.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import secrets
@@ -31,7 +38,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +48,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Agent, Daemon, DecodeResult, FileIdentity, file_identity
-from appliance.engine.chat import ChatTemplate, Turn, read_chat_template, render_template
-from appliance.engine.interface import Token
+from appliance.daemon.requests import Surface
+from appliance.engine import reasoning, toolcalls
+from appliance.engine.chat import ChatTemplate, read_chat_template, render_prompt
+from appliance.engine.interface import Generation, Grammar, Prompt, PromptText, Token, TokenLogprobs
+from appliance.engine.reply import ReplyEvent, ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
 from appliance.http.errors import error_body
@@ -97,29 +107,51 @@ def model_template(path: Path) -> ChatTemplate:
     return _template(str(path), file_identity(path))
 
 
-def chat_prompt(path: Path, messages: tuple[Turn, ...]) -> str:
-    """``messages`` rendered with the chat template of the model file at ``path``. Blocking (off the loop: a
-    template is code and may be slow)."""
-    return render_template(model_template(path), messages)
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request runs: its prompt, the call format its output is parsed with (None: the output is all
+    content) and the grammar of its tools (None: none, or ``tool_choice: none``)."""
+
+    prompt: Prompt
+    calls: toolcalls.Format | None
+    grammar: Grammar | None
+    reasoning_markers: reasoning.Markers | None = None  # the template writes <think>: its reasoning is split out
+    thinking: bool = False  # the prompt ends inside the reasoning (the reply has only its closing marker)
+
+    def splitter(self) -> reasoning.StreamSplitter | None:
+        """A fresh splitter of this reply's reasoning (None: it is all answer)."""
+        if self.reasoning_markers is None:
+            return None
+        return reasoning.StreamSplitter(self.reasoning_markers, inside=self.thinking)
+
+
+def chat_plan(path: Path, request: schema.ChatRequest, reasoning_mode: str = "split") -> ChatPlan:
+    """``request`` rendered with the chat template of the model file at ``path``, with the grammar of its tools in
+    the format that template's model writes calls in, and the template's reasoning markers unless
+    ``reasoning_mode`` (``models[].reasoning``) is ``inline``. Blocking (off the loop: a template is code and may be
+    slow, and a grammar is built from every tool's schema)."""
+    template = model_template(path)
+    fmt = toolcalls.detect(template.source)
+    prompt = render_prompt(template, request.messages, request.tools, choice=request.tool_choice)
+    grammar = toolcalls.grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
+    markers = reasoning.detect(template.source) if reasoning_mode == "split" else None
+    thinking = markers is not None and reasoning.starts_inside(prompt.text, markers)
+    return ChatPlan(prompt, fmt if request.calls_tools else None, grammar, markers, thinking)
+
+
+def completion_prompt(text: str) -> Prompt:
+    """A completion's ``prompt``: template text as a whole (control-token texts become control tokens)."""
+    return Prompt(((text, True),))
 
 
 # -- agents --------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Held:
-    """The text an agent's conversation holds (None: not known) when it had ``n_tokens`` tokens."""
-
-    text: str | None
-    n_tokens: int
-
-
-class AgentTexts:
-    """Per agent (by identity: a re-registered agent of the same name starts unknown): the text its conversation
-    holds, and a lock that keeps one HTTP request at a time on it."""
+class Registrations:
+    """A lock per agent id while an HTTP request registers it, so that two first requests of one agent register it
+    once (the second waits, then finds it)."""
 
     def __init__(self) -> None:
-        self.held: weakref.WeakKeyDictionary[Agent, Held] = weakref.WeakKeyDictionary()
         self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def lock(self, agent_id: str) -> asyncio.Lock:
@@ -128,31 +160,20 @@ class AgentTexts:
             lock = self.locks[agent_id] = asyncio.Lock()
         return lock
 
-    def text(self, agent: Agent) -> str | None:
-        """What ``agent``'s conversation holds: "" when it is empty, None when that is not known (another
-        surface decoded on it, a reload reset it, a stop string cut its last completion)."""
-        n_tokens = len(agent.conversation.tokens)
-        if n_tokens == 0:
-            return ""
-        held = self.held.get(agent)
-        if held is None or held.n_tokens != n_tokens:
-            return None
-        return held.text
 
-
-def agent_texts(request: Request) -> AgentTexts:
+def registrations(request: Request) -> Registrations:
     state = request.app.state
-    texts = getattr(state, "openai_agents", None)
-    if texts is None:
-        texts = state.openai_agents = AgentTexts()
-    return texts
+    found = getattr(state, "openai_registrations", None)
+    if found is None:
+        found = state.openai_registrations = Registrations()
+    return found
 
 
 async def agent_for(daemon: Daemon, agent_id: str, model: str, param: str) -> Agent:
     """The agent ``agent_id``, registered on ``model`` at its first use (owner none: it outlives the connection)."""
     agent = daemon.agents.get(agent_id)
     if agent is None:
-        agent = await daemon.register(agent_id, model)  # our per-agent lock: nobody else registers it meanwhile
+        agent = await daemon.register(agent_id, model)
     if agent.owner is not None:
         raise schema.bad(param, f"agent {agent_id!r} belongs to a socket connection's session", agent=agent_id)
     if agent.model.key != model and daemon.resolve(model) is not agent.model:
@@ -169,25 +190,24 @@ class Done:
     """A generation's end as the response needs it."""
 
     result: DecodeResult
-    cached_tokens: int
 
     @property
-    def text(self) -> str:
-        return self.result.generation.text
+    def generation(self) -> Generation:
+        return self.result.generation
 
-    @property
-    def finish(self) -> str:
-        return schema.finish_reason(self.result.generation.stop_reason)
+    def finish(self, called: bool = False) -> str:
+        return schema.finish_reason(self.generation.stop_reason, called)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` and the appliance's extensions (docs/openai-api.md): ``prompt_evaluated``, the
-        generation's times (``ttft_ms`` null when no token was generated), its peak memory, plan and threads."""
+        generation's times (``ttft_ms`` null when no token was generated), its peak memory, plan and threads.
+        ``cached_tokens``: the prompt's tokens not evaluated (kept by the conversation, or shared, SPEC L10)."""
         result = self.result
         generation = result.generation
-        total = self.cached_tokens + generation.prompt_tokens
-        cached = self.cached_tokens
-        if generation.prompt_evaluated is not None:  # a shared prefix (L10) saved more than the conversation held
-            cached = max(cached, total - generation.prompt_evaluated)
+        total = generation.prompt_tokens
+        cached = 0
+        if generation.prompt_evaluated is not None:
+            cached = max(0, total - generation.prompt_evaluated)
         body = schema.usage(total, generation.generated_tokens, cached)
         if generation.prompt_evaluated is not None:
             body["prompt_evaluated"] = generation.prompt_evaluated
@@ -205,26 +225,34 @@ END = object()
 
 class Run:
     """One generation for one HTTP request: its task, its cancel event and, when streamed, the queue of token
-    batches its :class:`~appliance.server.pump.TokenPump` fills on the loop."""
+    batches its :class:`~appliance.server.pump.TokenPump` fills on the loop. An agent's prompt is sent as its
+    conversation's whole text (``history``). ``surface``: the API it is recorded under (request log, metrics)."""
 
-    def __init__(self, request: Request, daemon: Daemon, options: schema.Options, prompt: str, *,
-                 stream: bool) -> None:
+    def __init__(self, request: Request, daemon: Daemon, options: schema.Options, prompt: Prompt, *,
+                 grammar: Grammar | None = None, surface: Surface = "openai") -> None:
         self.daemon = daemon
+        self.surface: Surface = surface
         self.options = options
-        self.prompt = prompt
+        self.agent_id = self.agent_name(request)
+        self.prompt: PromptText = dataclasses.replace(prompt, history=self.agent_id is not None)
+        self.grammar = grammar
+        self.grammar_param = "response_format" if options.response_grammar is not None else "tools"
         self.cancel = threading.Event()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.agent_id = schema.agent_name(options.user, request.headers.get(AGENT_HEADER))
         self.param = "X-Agent-Id" if AGENT_HEADER in request.headers else "user"
-        self.texts = agent_texts(request)
+        self.registrations = registrations(request)
         client = request.scope.get("client") or ("?", 0)
         self.connection: Hashable = ("http", *client)
         self.pump: TokenPump | None = None
-        if stream:
+        if options.stream:
             self.pump = TokenPump(asyncio.get_running_loop(), self._sink, cancel=self.cancel, heartbeat=self._ping,
                                   heartbeat_interval_s=self._heartbeat_interval_s)
         self.task: asyncio.Task[Done] = asyncio.create_task(self._run())
         self.task.add_done_callback(self._ended)
+
+    def agent_name(self, request: Request) -> str | None:
+        """The agent this request runs in: its ``X-Agent-Id`` header, else its ``user``, else none (stateless)."""
+        return schema.agent_name(self.options.user, request.headers.get(AGENT_HEADER))
 
     def _sink(self, tokens: list[Token]) -> bool:
         self.queue.put_nowait(tokens)
@@ -247,36 +275,23 @@ class Run:
 
     async def _run(self) -> Done:
         if self.agent_id is None:
-            result = await self._generate(self.prompt, model=self.options.model, queue=self.connection)
-            return Done(result, 0)
+            return Done(await self._generate(model=self.options.model, queue=self.connection))
         with self.daemon.accepting():  # its agent's registration and its decode are one request (a stop's grace)
-            return await self._run_agent(self.agent_id)
+            async with self.registrations.lock(self.agent_id):
+                agent = await agent_for(self.daemon, self.agent_id, self.options.model, self.param)
+            return Done(await self._generate(session_id=agent.id))
 
-    async def _run_agent(self, agent_id: str) -> Done:
-        async with self.texts.lock(agent_id):
-            agent = await agent_for(self.daemon, agent_id, self.options.model, self.param)
-            suffix = schema.continuation(self.texts.text(agent), self.prompt)
-            if suffix is None:  # the history changed: start the conversation over
-                await self.daemon.reset_conversation(agent.id)
-                suffix = self.prompt
-            cached = len(agent.conversation.tokens)
-            result = await self._generate(suffix, session_id=agent.id)
-            generation = result.generation
-            # Not known when a stop string ended the text short of the tokens the conversation keeps, or a reload
-            # of its model reset the conversation while this request waited.
-            known = generation.stop_reason != "stop" and result.notice is None
-            text = self.prompt + generation.text if known else None
-            self.texts.held[agent] = Held(text, len(agent.conversation.tokens))
-            return Done(result, 0 if result.rebuilt else cached)
-
-    async def _generate(self, prompt: str, *, model: str | None = None, session_id: str | None = None,
+    async def _generate(self, *, model: str | None = None, session_id: str | None = None,
                         queue: Hashable | None = None) -> DecodeResult:
-        sampling = self.options.sampling(secrets.randbits(32))
+        sampling = self.options.sampling(secrets.randbits(32), self.grammar)
         on_token = None if self.pump is None else self.pump.on_token
-        with self.pump if self.pump is not None else contextlib.nullcontext():
-            return await generate(self.daemon, surface="openai", prompt=prompt, max_tokens=self.max_tokens(),
-                                  sampling=sampling, session_id=session_id, model=model, on_token=on_token,
-                                  cancel=self.cancel, queue=queue)
+        try:
+            with self.pump if self.pump is not None else contextlib.nullcontext():
+                return await generate(self.daemon, surface=self.surface, prompt=self.prompt,
+                                      max_tokens=self.max_tokens(), sampling=sampling, session_id=session_id,
+                                      model=model, on_token=on_token, cancel=self.cancel, queue=queue)
+        except ApplianceError as exc:
+            raise grammar_error(exc, self.grammar_param) from None
 
     async def watch(self, request: Request, awaitable: asyncio.Future[Any]) -> Any:
         """Await ``awaitable`` while watching the connection: a client that disconnects cancels the generation."""
@@ -285,6 +300,14 @@ class Run:
             return await awaitable
         finally:
             watcher.cancel()
+
+
+def grammar_error(exc: ApplianceError, param: str) -> ApplianceError:
+    """The engine's refusal of a request's grammar (``param: grammar``) as the refusal of the field it was made of
+    (``tools``, ``response_format``); any other error as it is."""
+    if exc.code != "BAD_REQUEST" or exc.details.get("param") != "grammar":
+        return exc
+    return ApplianceError(exc.code, f"{param}: {exc.message}", {**exc.details, "param": param})
 
 
 async def disconnected(request: Request, cancel: threading.Event) -> None:
@@ -307,66 +330,164 @@ def outcome(task: asyncio.Task[Done]) -> Done:
         raise error_of(exc) from None
 
 
+# -- answers -------------------------------------------------------------------------------------------------------
+
+
+def chat_answer(done: Done, calls: toolcalls.Format | None, logprobs: bool,
+                plan: ChatPlan | None = None) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+    """A finished chat generation's ``message``, ``finish_reason`` and ``logprobs``: its reasoning split out (as
+    ``reasoning_content``) when ``plan`` says the template writes some, the rest parsed for tool calls in the format
+    ``calls`` (None: it is all content)."""
+    generation = done.generation
+    content: str | None = generation.text
+    thought = None
+    if plan is not None and plan.reasoning_markers is not None:
+        parts = reasoning.split(generation.text, plan.reasoning_markers, inside=plan.thinking)
+        content, thought = parts.content, parts.reasoning
+    found: list[toolcalls.ToolCall] = []
+    if calls is not None:
+        content, found = toolcalls.parse(calls, content or "")
+        if found and not content:
+            content = None
+    entries = schema.chat_logprobs_of(generation.logprobs) if logprobs else None
+    message = schema.assistant_message(content, found)
+    if thought is not None:
+        message["reasoning_content"] = thought
+    return message, done.finish(bool(found)), entries
+
+
 # -- streaming -----------------------------------------------------------------------------------------------------
 
 
 class Shape:
-    """How one endpoint's stream looks: its opening event, a text delta, its last chunk."""
+    """How one endpoint's stream looks: its opening event, the chunks of a batch of tokens, its last chunks."""
 
     obj = ""
 
-    def __init__(self, model: str, include_usage: bool, prefix: str) -> None:
+    def __init__(self, model: str, include_usage: bool, prefix: str, logprobs: bool) -> None:
         self.ident = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.pending: list[TokenLogprobs] = []  # the log-probabilities of tokens no chunk carried yet
 
     def opening(self) -> list[bytes]:
         return []
 
-    def delta(self, text: str) -> bytes:
+    def tokens(self, batch: Sequence[Token]) -> list[bytes]:
         raise NotImplementedError
 
-    def finish(self, done: Done) -> bytes:
+    def finish(self, done: Done) -> list[bytes]:
         raise NotImplementedError
 
     def usage(self, done: Done) -> bytes:
         return schema.event(schema.usage_chunk(self.ident, self.created, self.model, done.usage(), self.obj))
 
+    def hold(self, batch: Sequence[Token]) -> None:
+        self.pending.extend(token.logprobs for token in batch if token.logprobs is not None)
+
+    def take(self) -> list[TokenLogprobs]:
+        taken, self.pending = self.pending, []
+        return taken
+
+
+def chat_deltas(events: Sequence[toolcalls.Event]) -> list[dict[str, Any]]:
+    """The ``delta`` s of a parser's events: content text, a call's start (index, id, type, name; its arguments
+    empty), its arguments' pieces; content in a row is one delta, and so are one call's pieces in a row."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        last = deltas[-1] if deltas else None
+        if isinstance(event, toolcalls.Content):
+            if last is not None and "content" in last:
+                last["content"] += event.text
+            else:
+                deltas.append({"content": event.text})
+        elif isinstance(event, toolcalls.CallStart):
+            deltas.append({"tool_calls": [schema.call_start(event.index, event.id, event.name)]})
+        elif last is not None and "tool_calls" in last and "id" not in last["tool_calls"][0] and (
+                last["tool_calls"][0]["index"] == event.index):
+            last["tool_calls"][0]["function"]["arguments"] += event.text
+        else:
+            deltas.append({"tool_calls": [schema.call_arguments(event.index, event.text)]})
+    return deltas
+
 
 class ChatShape(Shape):
+    """A chat stream; with a call format, its text goes through that format's streaming parser, so calls are sent
+    as ``delta.tool_calls`` (and their markers never as content)."""
+
     obj = "chat.completion.chunk"
 
+    def __init__(self, model: str, include_usage: bool, logprobs: bool, calls: toolcalls.Format | None,
+                 thoughts: reasoning.StreamSplitter | None = None) -> None:
+        super().__init__(model, include_usage, "chatcmpl", logprobs)
+        parser = None if calls is None else toolcalls.StreamParser(calls)
+        self.reply = ReplyStream(thoughts, parser)  # the reasoning split out first (``delta.reasoning_content``)
+        self.called = False
+
     def chunk(self, delta: dict[str, Any], finish: str | None) -> bytes:
+        logprobs = schema.chat_logprobs_of(self.take()) if self.logprobs else None
         return schema.event(schema.chat_chunk(self.ident, self.created, self.model, delta, finish,
-                                              self.include_usage))
+                                              self.include_usage, logprobs))
 
     def opening(self) -> list[bytes]:
         return [self.chunk({"role": "assistant", "content": ""}, None)]
 
-    def delta(self, text: str) -> bytes:
-        return self.chunk({"content": text}, None)
+    def chunks(self, events: Sequence[ReplyEvent]) -> list[bytes]:
+        """The chunks of a reply's events: reasoning as ``delta.reasoning_content``, content as ``delta.content``,
+        calls as ``delta.tool_calls``; consecutive answer events share a delta list, in order."""
+        out: list[bytes] = []
+        answer: list[toolcalls.Event] = []
+        for event in events:
+            if isinstance(event, reasoning.Reasoning):
+                out.extend(self.deltas(answer))
+                answer = []
+                out.append(self.chunk({"reasoning_content": event.text}, None))
+            else:
+                answer.append(event)
+        out.extend(self.deltas(answer))
+        return out
 
-    def finish(self, done: Done) -> bytes:
-        return self.chunk({}, done.finish)
+    def deltas(self, events: Sequence[toolcalls.Event]) -> list[bytes]:
+        self.called = self.called or any(isinstance(event, toolcalls.CallStart) for event in events)
+        return [self.chunk(delta, None) for delta in chat_deltas(events)]
+
+    def tokens(self, batch: Sequence[Token]) -> list[bytes]:
+        self.hold(batch)
+        return self.chunks(self.reply.feed("".join(token.text for token in batch)))
+
+    def finish(self, done: Done) -> list[bytes]:
+        return [*self.chunks(self.reply.finish()), self.chunk({}, done.finish(self.called))]
 
 
 class CompletionShape(Shape):
     obj = "text_completion"
 
+    def __init__(self, model: str, include_usage: bool, logprobs: bool) -> None:
+        super().__init__(model, include_usage, "cmpl", logprobs)
+        self.offset = 0  # where the next token's text starts in the completion (its log-probabilities' offsets)
+
     def chunk(self, text: str, finish: str | None) -> bytes:
+        logprobs = None
+        if self.logprobs:
+            entries = self.take()
+            logprobs = schema.completion_logprobs_of(entries, self.offset)
+            self.offset += sum(len(schema.token_text(entry.token.piece)) for entry in entries)
         return schema.event(schema.text_completion(self.ident, self.created, self.model, text, finish, None,
-                                                   with_usage=self.include_usage))
+                                                   with_usage=self.include_usage, logprobs=logprobs))
 
-    def delta(self, text: str) -> bytes:
-        return self.chunk(text, None)
+    def tokens(self, batch: Sequence[Token]) -> list[bytes]:
+        self.hold(batch)
+        text = "".join(token.text for token in batch)
+        return [self.chunk(text, None)] if text else []
 
-    def finish(self, done: Done) -> bytes:
-        return self.chunk("", done.finish)
+    def finish(self, done: Done) -> list[bytes]:
+        return [self.chunk("", done.finish())]
 
 
 async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
-    """The SSE body: the opening chunk, a chunk per batch of tokens, the last chunk, the usage chunk
+    """The SSE body: the opening chunk, the chunks of each batch of tokens, the last chunks, the usage chunk
     (``include_usage``) and ``[DONE]``; an error after the start is one ``data: {"error": ...}`` event. If the client
     goes away (Starlette cancels this generator), the generation is cancelled."""
     try:
@@ -377,16 +498,16 @@ async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
             if item is PING:
                 yield PING
             else:
-                text = "".join(token.text for token in item)
-                if text:
-                    yield shape.delta(text)
+                for chunk in shape.tokens(item):
+                    yield chunk
             item = await run.queue.get()
         try:
             done = outcome(run.task)
         except ApplianceError as exc:
             yield schema.event(error_body(exc))
             return
-        yield shape.finish(done)
+        for chunk in shape.finish(done):
+            yield chunk
         if shape.include_usage:
             yield shape.usage(done)
         yield schema.event("[DONE]")
@@ -415,10 +536,16 @@ async def respond(request: Request, run: Run, shape: Shape, plain: Any) -> Respo
 # -- routes --------------------------------------------------------------------------------------------------------
 
 
-def configured_models(request: Request) -> list[tuple[str, int]]:
-    """(name, created) of each configured model; ``created`` is its file's modification time."""
+def configured_models(request: Request) -> list[tuple[str, int, str]]:
+    """(name, created, root) of each configured model and then of each of its aliases (``root``: the model's own
+    name); ``created`` is its file's modification time."""
     specs = request.app.state.appliance.config.models
-    return [(spec.name, file_identity(spec.path)[3] // 1_000_000_000) for spec in specs]
+    models: list[tuple[str, int, str]] = []
+    for spec in specs:
+        created = file_identity(spec.path)[3] // 1_000_000_000
+        models.append((spec.name, created, spec.name))
+        models.extend((alias, created, spec.name) for alias in spec.aliases)
+    return models
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -432,34 +559,41 @@ async def get_model(request: Request) -> JSONResponse:
         if entry["id"] == name:
             return JSONResponse(entry)
     raise ApplianceError("UNKNOWN_MODEL", f"no model named {name!r}",
-                         {"model": name, "known": [known for known, _ in models]})
+                         {"model": name, "known": [known for known, _, _ in models]})
 
 
 async def chat_completions(request: Request) -> Response:
-    options = schema.chat_request(schema.parse_body(await read_body(request)))
+    body = schema.parse_body(await read_body(request))
+    options = await asyncio.to_thread(schema.chat_request, body)  # off the loop: tools' schemas become grammars
     daemon = daemon_of(request)
     model = daemon.resolve(options.model)
-    prompt = await asyncio.to_thread(chat_prompt, model.path, options.messages)
-    run = Run(request, daemon, options, prompt, stream=options.stream)
-    shape = ChatShape(options.model, options.include_usage, "chatcmpl")
+    plan = await asyncio.to_thread(chat_plan, model.path, options, model.spec.reasoning)
+    logprobs = options.logprobs is not None
+    run = Run(request, daemon, options, plan.prompt, grammar=plan.grammar)
+    shape = ChatShape(options.model, options.include_usage, logprobs, plan.calls, plan.splitter())
 
     def plain(done: Done) -> dict[str, Any]:
-        return schema.chat_completion(shape.ident, shape.created, options.model, done.text, done.finish,
-                                      done.usage())
+        message, finish, entries = chat_answer(done, plan.calls, logprobs, plan)
+        return schema.chat_completion(shape.ident, shape.created, options.model, message, finish, done.usage(),
+                                      entries)
 
     return await respond(request, run, shape, plain)
 
 
 async def completions(request: Request) -> Response:
-    options = schema.completion_request(schema.parse_body(await read_body(request)))
+    body = schema.parse_body(await read_body(request))
+    options = await asyncio.to_thread(schema.completion_request, body)  # off the loop: a schema becomes a grammar
     daemon = daemon_of(request)
     daemon.resolve(options.model)
-    run = Run(request, daemon, options, options.prompt, stream=options.stream)
-    shape = CompletionShape(options.model, options.include_usage, "cmpl")
+    logprobs = options.logprobs is not None
+    run = Run(request, daemon, options, completion_prompt(options.prompt))
+    shape = CompletionShape(options.model, options.include_usage, logprobs)
 
     def plain(done: Done) -> dict[str, Any]:
-        return schema.text_completion(shape.ident, shape.created, options.model, done.text, done.finish,
-                                      done.usage())
+        generation = done.generation
+        entries = schema.completion_logprobs_of(generation.logprobs) if logprobs else None
+        return schema.text_completion(shape.ident, shape.created, options.model, generation.text, done.finish(),
+                                      done.usage(), logprobs=entries)
 
     return await respond(request, run, shape, plain)
 

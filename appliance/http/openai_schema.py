@@ -3,21 +3,25 @@
 
 * Requests: :func:`parse_body`, then :func:`chat_request` / :func:`completion_request` check every field and give a
   :class:`ChatRequest` / :class:`CompletionRequest`. A bad field is a P4 ``BAD_REQUEST`` whose ``details.param``
-  names it (OpenAI's ``error.param``); a field the appliance does not support is refused the same way unless it is
-  one of :data:`IGNORED` (accepted, no effect) or has its no-op value (``n: 1``, ``tools: []``, ...).
-* Responses: the JSON documents and server-sent-event chunks in OpenAI's shapes.
-* Conversations: :func:`continuation`, the part of a new prompt an agent's conversation does not hold yet.
+  names it (OpenAI's ``error.param``); a field the appliance does not support is refused the same way, saying why,
+  unless it is one of :data:`IGNORED` (accepted, no effect) or has its no-op value (``n: 1``, ``echo: false``, ...).
+  Tools and ``tool_choice`` are checked by :mod:`appliance.engine.toolcalls`, ``response_format`` by
+  :mod:`appliance.engine.structured` (into a grammar).
+* Responses: the JSON documents and server-sent-event chunks in OpenAI's shapes, with tool calls and
+  log-probabilities.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.engine.chat import Turn
-from appliance.engine.interface import Sampling, StopReason
+from appliance.engine import structured, toolcalls
+from appliance.engine.chat import Message
+from appliance.engine.interface import Grammar, Sampling, StopReason, TokenLogprob, TokenLogprobs
 from appliance.errors import ApplianceError
 from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 from appliance.protocol.messages import MAX_CHAT_MESSAGES, MAX_ID_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
@@ -28,14 +32,25 @@ MAX_JSON_DEPTH = 64
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal"})
-EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "audio"})  # accepted only empty (no tool calls)
-IGNORED = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                     "safety_identifier"})
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal", "tool_calls"})
+EMPTY_MESSAGE_KEYS = {"function_call": "deprecated: use tool_calls", "audio": "this API takes text only"}
+"""Message fields accepted only empty, and why."""
+MAX_TOOL_CALLS = 128
+"""Tool calls one assistant message of the history may hold."""
+IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 """Fields accepted and ignored (they change nothing here)."""
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = Sampling().top_k
+MAX_PENALTY = 2.0  # OpenAI's bound of frequency_penalty and presence_penalty, either sign
+MAX_REPEAT_PENALTY = 10.0
+MAX_BIAS = 100.0  # OpenAI's bound of a logit_bias value, either sign
+MAX_BIASED_TOKENS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # chat: OpenAI's bound
+MAX_COMPLETION_LOGPROBS = 5  # completions: OpenAI's bound
+UNLIKELY_LOGPROB = -9999.0
+"""What a log-probability of minus infinity is written as (JSON has no infinity; OpenAI writes the same)."""
 STOP_REASONS: dict[StopReason, str] = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -145,19 +160,19 @@ def stop_strings(value: Any) -> tuple[str, ...]:
 
 
 def only(value: Any, param: str, allowed: tuple[Any, ...], message: str) -> None:
-    """A field this API accepts with its no-op values only (``n: 1``, ``tools: []``, ...)."""
+    """A field this API accepts with its no-op values only (``n: 1``, ``echo: false``, ...)."""
     if value is None:
         return
     if not any(type(value) is type(a) and value == a for a in allowed):
         raise bad(param, message)
 
 
-def content_text(value: Any, param: str, role: str) -> str:
-    """A message's content: a string, a list of text parts (joined), or null for an assistant message."""
+def content_text(value: Any, param: str, role: str) -> str | None:
+    """A message's content: a string, a list of text parts (joined), or null (None) for an assistant message."""
     if isinstance(value, str):
         return text_field(value, param)
     if value is None and role == "assistant":
-        return ""
+        return None
     if not isinstance(value, list):
         raise bad(param, f"{param} must be a string or a list of text parts")
     texts = []
@@ -170,30 +185,72 @@ def content_text(value: Any, param: str, role: str) -> str:
     return "".join(texts)
 
 
-def chat_messages(value: Any) -> tuple[Turn, ...]:
+def history_call(value: Any, where: str) -> toolcalls.ToolCall:
+    """One call of an assistant message's ``tool_calls``: ``{"id", "type": "function", "function": {"name",
+    "arguments"}}`` with ``arguments`` the JSON text of an object (as OpenAI returned it)."""
+    if not isinstance(value, dict) or value.get("type", "function") != "function" or set(value) - {
+            "id", "type", "function"}:
+        raise bad(where, f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                         '"arguments": ...}}}}')
+    ident = identifier(value.get("id"), f"{where}.id")
+    function = value.get("function")
+    if not isinstance(function, dict) or set(function) - {"name", "arguments"}:
+        raise bad(f"{where}.function", f'{where}.function must be {{"name": ..., "arguments": ...}}')
+    name = function.get("name")
+    if not isinstance(name, str) or not toolcalls.TOOL_NAME.fullmatch(name):
+        raise bad(f"{where}.function.name", f"{where}.function.name must be 1 to 64 letters, digits, _ or -")
+    arguments = text_field(function.get("arguments"), f"{where}.function.arguments")
+    try:
+        parsed = json.loads(arguments, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise bad(f"{where}.function.arguments", f"{where}.function.arguments must be the JSON text of an object")
+    return toolcalls.ToolCall(ident, name, arguments)
+
+
+def chat_message(message: Any, where: str) -> Message:
+    if not isinstance(message, dict):
+        raise bad(where, f"{where} must be an object")
+    role = message.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(ROLES))}")
+    for key in message:
+        if key in EMPTY_MESSAGE_KEYS:
+            if message[key]:
+                raise bad(f"{where}.{key}", f"{where}.{key} is not supported ({EMPTY_MESSAGE_KEYS[key]})")
+        elif key not in MESSAGE_KEYS:
+            raise bad(f"{where}.{key}", f"unknown field {where}.{key}")
+    calls: tuple[toolcalls.ToolCall, ...] = ()
+    if message.get("tool_calls"):
+        value = message["tool_calls"]
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", f"{where}.tool_calls is only allowed in an assistant message")
+        if not isinstance(value, list) or len(value) > MAX_TOOL_CALLS:
+            raise bad(f"{where}.tool_calls", f"{where}.tool_calls must be a list of at most {MAX_TOOL_CALLS} calls",
+                      max_items=MAX_TOOL_CALLS)
+        calls = tuple(history_call(call, f"{where}.tool_calls[{index}]") for index, call in enumerate(value))
+    elif message.get("tool_calls") is not None and message["tool_calls"] != []:
+        raise bad(f"{where}.tool_calls", f"{where}.tool_calls must be a list of calls")
+    if "content" not in message and not calls:
+        raise bad(f"{where}.content", f"{where}.content is required")
+    content = content_text(message.get("content"), f"{where}.content", role)
+    name = None if message.get("name") is None else identifier(message["name"], f"{where}.name")
+    call_id = None
+    if role == "tool":
+        call_id = identifier(message.get("tool_call_id"), f"{where}.tool_call_id")
+    elif message.get("tool_call_id") is not None:
+        raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id is only allowed in a tool message")
+    if message.get("refusal") is not None:
+        text_field(message["refusal"], f"{where}.refusal")
+    return Message(role, content, calls, call_id, name)
+
+
+def chat_messages(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_CHAT_MESSAGES:
         raise bad("messages", f"messages must be a list of 1 to {MAX_CHAT_MESSAGES} messages",
                   max_items=MAX_CHAT_MESSAGES)
-    turns = []
-    for index, message in enumerate(value):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise bad(where, f"{where} must be an object")
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(ROLES))}")
-        for key in message:
-            if key in EMPTY_MESSAGE_KEYS:
-                if message[key]:
-                    raise bad(f"{where}.{key}", f"{where}.{key} is not supported (no tool calls)")
-            elif key not in MESSAGE_KEYS:
-                raise bad(f"{where}.{key}", f"unknown field {where}.{key}")
-        if "content" not in message:
-            raise bad(f"{where}.content", f"{where}.content is required")
-        if message.get("name") is not None:
-            identifier(message["name"], f"{where}.name")
-        turns.append(Turn(role, content_text(message["content"], f"{where}.content", role)))
-    return tuple(turns)
+    return tuple(chat_message(message, f"messages[{index}]") for index, message in enumerate(value))
 
 
 def completion_prompt(value: Any) -> str:
@@ -203,6 +260,69 @@ def completion_prompt(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise bad("prompt", "prompt must be a non-empty string (one prompt per request; no token arrays)")
     return text_field(value, "prompt")
+
+
+def penalty(body: dict[str, Any], key: str) -> float:
+    """``frequency_penalty`` / ``presence_penalty``: -2 to 2, default 0 (off)."""
+    if body.get(key) is None:
+        return 0.0
+    return number(body[key], key, -MAX_PENALTY, MAX_PENALTY)
+
+
+def repeat_penalty(value: Any) -> float:
+    """``repeat_penalty`` (llama.cpp's): above 0 and at most 10; 1 (the default) is off."""
+    if value is None:
+        return 1.0
+    chosen = number(value, "repeat_penalty", 0.0, MAX_REPEAT_PENALTY)
+    if chosen <= 0.0:
+        raise bad("repeat_penalty", f"repeat_penalty must be above 0 and at most {MAX_REPEAT_PENALTY:g} (1 is off)",
+                  minimum=0.0, maximum=MAX_REPEAT_PENALTY)
+    return chosen
+
+
+def token_id(key: str) -> int | None:
+    """A ``logit_bias`` key: a token id in decimal ("0", "15339"), else None."""
+    if not key.isascii() or not key.isdigit() or len(key) > 10 or (len(key) > 1 and key[0] == "0"):
+        return None
+    value = int(key)
+    return value if value <= MAX_TOKEN_ID else None
+
+
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object of token ids (decimal strings) to biases from -100 to 100, added to the token's
+    logit before sampling (-100 all but bans it, 100 all but forces it); at most :data:`MAX_BIASED_TOKENS`. An id
+    outside the model's vocabulary is refused by the engine (``details.n_vocab``)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_BIASED_TOKENS:
+        raise bad("logit_bias", f"logit_bias must be an object of at most {MAX_BIASED_TOKENS} token ids (decimal "
+                                "strings) to numbers from -100 to 100", max_items=MAX_BIASED_TOKENS)
+    biases = []
+    for key, bias in value.items():
+        token = token_id(key)
+        if token is None:
+            raise bad("logit_bias", f"logit_bias key {key[:40]!r} is not a token id (a decimal integer)")
+        biases.append((token, number(bias, "logit_bias", -MAX_BIAS, MAX_BIAS)))
+    return tuple(sorted(biases))
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs`` (true or false) and ``top_logprobs`` (0 to 20, only with ``logprobs: true``): how many
+    alternatives each token lists, or None for no log-probabilities."""
+    wanted = False if body.get("logprobs") is None else boolean(body["logprobs"], "logprobs")
+    if body.get("top_logprobs") is None:
+        return 0 if wanted else None
+    top = integer(body["top_logprobs"], "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not wanted:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return top
+
+
+def completion_logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs`` of /v1/completions: null (none) or the number of alternatives, 0 to 5, each token lists."""
+    if body.get("logprobs") is None:
+        return None
+    return integer(body["logprobs"], "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
 
 # -- requests ------------------------------------------------------------------------------------------------------
@@ -222,17 +342,36 @@ class Options:
     stream: bool
     include_usage: bool
     user: str | None
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    response_grammar: Grammar | None = None  # response_format's
 
-    def sampling(self, seed: int) -> Sampling:
-        """The engine's sampling settings, with ``seed`` when the request gave none."""
+    def sampling(self, seed: int, grammar: Grammar | None = None) -> Sampling:
+        """The engine's sampling settings, with ``seed`` when the request gave none and ``grammar`` (its tools')
+        when it has no ``response_format`` grammar."""
         chosen = seed if self.seed is None else self.seed
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        seed=chosen % (2**32 - 1), stop=self.stop)
+                        seed=chosen % (2**32 - 1), stop=self.stop, min_p=self.min_p,
+                        repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
+                        presence_penalty=self.presence_penalty, logit_bias=self.logit_bias,
+                        grammar=self.response_grammar or grammar, logprobs=self.logprobs)
 
 
 @dataclass(frozen=True)
 class ChatRequest(Options):
-    messages: tuple[Turn, ...] = ()
+    messages: tuple[Message, ...] = ()
+    tools: tuple[toolcalls.Tool, ...] = ()
+    tool_choice: toolcalls.Choice = "auto"
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model may (or must) call tools: the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass(frozen=True)
@@ -240,50 +379,53 @@ class CompletionRequest(Options):
     prompt: str = ""
 
 
-Check = Callable[[dict[str, Any]], None]
+Check = Callable[[dict[str, Any]], dict[str, Any]]
+"""An endpoint's own fields, checked, as keyword arguments of its request."""
 
 
 def _no_n(body: dict[str, Any]) -> None:
     only(body.get("n"), "n", (1,), "n must be 1 (one choice per request)")
 
 
-def _penalties(body: dict[str, Any]) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) is not None:
-            number(body[key], key, -2.0, 2.0)
-            only(body[key], key, (0, 0.0), f"{key} is not supported (only 0)")
-    only(body.get("logit_bias"), "logit_bias", ({},), "logit_bias is not supported (only {})")
+def _chat_extras(body: dict[str, Any]) -> dict[str, Any]:
+    only(body.get("functions"), "functions", ([],), "functions is deprecated and not supported: use tools")
+    only(body.get("function_call"), "function_call", ("none",),
+         "function_call is deprecated and not supported: use tool_choice")
+    only(body.get("modalities"), "modalities", (["text"],), "modalities must be [\"text\"] (this API takes text only)")
+    only(body.get("audio"), "audio", (), "audio is not supported (this API takes text only)")
+    if "messages" not in body:
+        raise bad("messages", "messages is required")
+    tools = toolcalls.parse_tools(body.get("tools"))
+    choice = toolcalls.parse_choice(body.get("tool_choice"), tools)
+    parallel = True if body.get("parallel_tool_calls") is None else boolean(body["parallel_tool_calls"],
+                                                                             "parallel_tool_calls")
+    grammar = structured.response_grammar(body.get("response_format"))
+    if grammar is not None and tools and choice != "none":
+        raise bad("response_format", "response_format cannot constrain an answer that may call tools: give one of "
+                                     "response_format and tools, or tool_choice \"none\"")
+    return {"messages": chat_messages(body["messages"]), "tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": parallel, "logprobs": chat_logprobs(body), "response_grammar": grammar}
 
 
-def _chat_extras(body: dict[str, Any]) -> None:
-    only(body.get("logprobs"), "logprobs", (False,), "logprobs is not supported")
-    only(body.get("top_logprobs"), "top_logprobs", (0,), "top_logprobs is not supported")
-    only(body.get("tools"), "tools", ([],), "tools are not supported")
-    only(body.get("functions"), "functions", ([],), "functions are not supported")
-    only(body.get("tool_choice"), "tool_choice", ("none",), "tool_choice must be \"none\" (no tools)")
-    only(body.get("function_call"), "function_call", ("none",), "function_call must be \"none\" (no tools)")
-    only(body.get("response_format"), "response_format", ({"type": "text"},),
-         "response_format must be {\"type\": \"text\"}")
-    only(body.get("modalities"), "modalities", (["text"],), "modalities must be [\"text\"]")
-    only(body.get("audio"), "audio", (), "audio is not supported")
+def _completion_extras(body: dict[str, Any]) -> dict[str, Any]:
+    only(body.get("echo"), "echo", (False,), "echo is not supported (the prompt is not returned)")
+    only(body.get("best_of"), "best_of", (1,), "best_of must be 1 (one choice per request)")
+    only(body.get("suffix"), "suffix", ("",), "suffix is not supported (no fill-in-the-middle)")
+    if "prompt" not in body:
+        raise bad("prompt", "prompt is required")
+    return {"prompt": completion_prompt(body["prompt"]), "logprobs": completion_logprobs(body),
+            "response_grammar": structured.response_grammar(body.get("response_format"))}
 
 
-def _completion_extras(body: dict[str, Any]) -> None:
-    only(body.get("logprobs"), "logprobs", (0,), "logprobs is not supported")
-    only(body.get("echo"), "echo", (False,), "echo is not supported")
-    only(body.get("best_of"), "best_of", (1,), "best_of must be 1")
-    only(body.get("suffix"), "suffix", (), "suffix is not supported")
-
-
-COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                           "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-                           "logprobs"}) | IGNORED
+COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                           "stream", "stream_options", "n", "user", "presence_penalty", "frequency_penalty",
+                           "repeat_penalty", "logit_bias", "logprobs", "response_format"}) | IGNORED
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "functions", "function_call", "response_format", "modalities", "audio"}
+                               "parallel_tool_calls", "functions", "function_call", "modalities", "audio"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 
 
-def options(body: dict[str, Any], fields: frozenset[str], extras: Check) -> dict[str, Any]:
+def options(body: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
     """The checked fields both endpoints share, as keyword arguments of :class:`Options`."""
     for key in body:
         if key not in fields:
@@ -299,6 +441,7 @@ def options(body: dict[str, Any], fields: frozenset[str], extras: Check) -> dict
         body["temperature"], "temperature", 0.0, 2.0)
     top_p = DEFAULT_TOP_P if body.get("top_p") is None else number(body["top_p"], "top_p", 0.0, 1.0)
     top_k = DEFAULT_TOP_K if body.get("top_k") is None else integer(body["top_k"], "top_k", 0, 1 << 20)
+    min_p = 0.0 if body.get("min_p") is None else number(body["min_p"], "min_p", 0.0, 1.0)
     seed = None if body.get("seed") is None else integer(body["seed"], "seed", -MAX_SEED, MAX_SEED - 1)
     stream = False if body.get("stream") is None else boolean(body["stream"], "stream")
     include_usage = False
@@ -316,27 +459,23 @@ def options(body: dict[str, Any], fields: frozenset[str], extras: Check) -> dict
         include_usage = stream_options.get("include_usage") is True
     user = None if body.get("user") is None else agent_id(body["user"], "user")
     _no_n(body)
-    _penalties(body)
-    extras(body)
     return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "stop": stop_strings(body.get("stop")), "stream": stream, "include_usage": include_usage,
-            "user": user}
+            "user": user, "min_p": min_p, "repeat_penalty": repeat_penalty(body.get("repeat_penalty")),
+            "frequency_penalty": penalty(body, "frequency_penalty"),
+            "presence_penalty": penalty(body, "presence_penalty"), "logit_bias": logit_bias(body.get("logit_bias"))}
 
 
 def chat_request(body: dict[str, Any]) -> ChatRequest:
     """``POST /v1/chat/completions``'s body, checked."""
-    common = options(body, CHAT_FIELDS, _chat_extras)
-    if "messages" not in body:
-        raise bad("messages", "messages is required")
-    return ChatRequest(**common, messages=chat_messages(body["messages"]))
+    common = options(body, CHAT_FIELDS)
+    return ChatRequest(**common, **_chat_extras(body))
 
 
 def completion_request(body: dict[str, Any]) -> CompletionRequest:
     """``POST /v1/completions``'s body, checked."""
-    common = options(body, COMPLETION_FIELDS, _completion_extras)
-    if "prompt" not in body:
-        raise bad("prompt", "prompt is required")
-    return CompletionRequest(**common, prompt=completion_prompt(body["prompt"]))
+    common = options(body, COMPLETION_FIELDS)
+    return CompletionRequest(**common, **_completion_extras(body))
 
 
 def agent_name(user: str | None, header: str | None) -> str | None:
@@ -346,23 +485,14 @@ def agent_name(user: str | None, header: str | None) -> str | None:
     return user
 
 
-# -- conversations -------------------------------------------------------------------------------------------------
-
-
-def continuation(held: str | None, prompt: str) -> str | None:
-    """What ``prompt`` adds to the text a conversation already ``held`` (its prompts and completions so far), or
-    None when it does not start with that text (the client changed the history: the conversation starts over).
-    ``held`` None: what the conversation holds is not known (it starts over too)."""
-    if held is None or not prompt.startswith(held):
-        return None
-    return prompt[len(held):]
-
-
 # -- responses -----------------------------------------------------------------------------------------------------
 
 
-def finish_reason(stop_reason: StopReason) -> str:
-    return STOP_REASONS.get(stop_reason, "stop")
+def finish_reason(stop_reason: StopReason, called: bool = False) -> str:
+    """OpenAI's ``finish_reason``: ``length`` at ``max_tokens`` or a full context, else ``tool_calls`` when the
+    answer ``called`` tools, else ``stop``."""
+    reason = STOP_REASONS.get(stop_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -373,18 +503,79 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_completion(ident: str, created: int, model: str, text: str, finish: str,
-                    counts: dict[str, Any]) -> dict[str, Any]:
+def tool_call(call: toolcalls.ToolCall) -> dict[str, Any]:
+    """A call in ``message.tool_calls``."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def assistant_message(content: str | None, calls: Sequence[toolcalls.ToolCall] = ()) -> dict[str, Any]:
+    """A choice's ``message``: ``content`` None (``null``) when the answer is only calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [tool_call(call) for call in calls]
+    return message
+
+
+def call_start(index: int, ident: str, name: str) -> dict[str, Any]:
+    """A stream's ``delta.tool_calls`` entry that opens call ``index``: its id, type and name (arguments follow)."""
+    return {"index": index, "id": ident, "type": "function", "function": {"name": name, "arguments": ""}}
+
+
+def call_arguments(index: int, text: str) -> dict[str, Any]:
+    """A stream's ``delta.tool_calls`` entry with the next piece of call ``index``'s arguments."""
+    return {"index": index, "function": {"arguments": text}}
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else UNLIKELY_LOGPROB
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text as the log-probabilities show it (a piece that is part of a character shows U+FFFD; its
+    ``bytes`` are exact)."""
+    return piece.decode("utf-8", errors="replace")
+
+
+def alternative(token: TokenLogprob) -> dict[str, Any]:
+    return {"token": token_text(token.piece), "logprob": finite(token.logprob), "bytes": list(token.piece)}
+
+
+def chat_logprob(entry: TokenLogprobs) -> dict[str, Any]:
+    """One generated token in a chat choice's ``logprobs.content``: its text, log-probability and bytes, and its
+    likeliest alternatives."""
+    return {**alternative(entry.token), "top_logprobs": [alternative(token) for token in entry.top]}
+
+
+def chat_logprobs_of(entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``."""
+    return {"content": [chat_logprob(entry) for entry in entries], "refusal": None}
+
+
+def completion_logprobs_of(entries: Sequence[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+    """A text completion choice's ``logprobs``: the tokens, their log-probabilities, their alternatives ({text:
+    log-probability}) and where each token starts in the completion's text (characters, from ``offset``)."""
+    tokens = [token_text(entry.token.piece) for entry in entries]
+    offsets = []
+    at = offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    top = [{token_text(alt.piece): finite(alt.logprob) for alt in entry.top} for entry in entries]
+    return {"tokens": tokens, "token_logprobs": [finite(entry.token.logprob) for entry in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_completion(ident: str, created: int, model: str, message: dict[str, Any], finish: str,
+                    counts: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": ident, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": counts, "system_fingerprint": None}
 
 
 def chat_chunk(ident: str, created: int, model: str, delta: dict[str, Any], finish: str | None,
-               with_usage: bool) -> dict[str, Any]:
+               with_usage: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                              "system_fingerprint": None}
     if with_usage:
         chunk["usage"] = None
@@ -392,10 +583,12 @@ def chat_chunk(ident: str, created: int, model: str, delta: dict[str, Any], fini
 
 
 def text_completion(ident: str, created: int, model: str, text: str, finish: str | None,
-                    counts: dict[str, Any] | None, with_usage: bool = True) -> dict[str, Any]:
+                    counts: dict[str, Any] | None, with_usage: bool = True,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A completion, or one chunk of a streamed one (``counts`` None)."""
     document: dict[str, Any] = {"id": ident, "object": "text_completion", "created": created, "model": model,
-                                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                                "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                             "finish_reason": finish}],
                                 "system_fingerprint": None}
     if with_usage:
         document["usage"] = counts
@@ -408,11 +601,12 @@ def usage_chunk(ident: str, created: int, model: str, counts: dict[str, Any], ob
             "system_fingerprint": None}
 
 
-def model_list(models: list[tuple[str, int]]) -> dict[str, Any]:
-    """``GET /v1/models`` for (name, created) pairs."""
+def model_list(models: list[tuple[str, int, str]]) -> dict[str, Any]:
+    """``GET /v1/models`` for (name, created, root) triples: an alias is listed as a model whose ``root`` is the
+    model it names."""
     return {"object": "list",
-            "data": [{"id": name, "object": "model", "created": created, "owned_by": "appliance"}
-                     for name, created in models]}
+            "data": [{"id": name, "object": "model", "created": created, "owned_by": "appliance", "root": root}
+                     for name, created, root in models]}
 
 
 def event(data: dict[str, Any] | str) -> bytes:

@@ -11,7 +11,8 @@
   requires one) is served as addressed to the address it arrived on: browsers always send ``Host``, so it cannot
   come from a rebound page.
 * **API token.** With ``http.api_token`` set (required by the config for any non-loopback ``http.host``), every
-  request must carry it: ``Authorization: Bearer <token>`` (API clients, Prometheus), or the session cookie that
+  request must carry it: ``Authorization: Bearer <token>`` (API clients, Prometheus), ``x-api-key: <token>``
+  (Anthropic's clients), or the session cookie that
   ``POST /admin/login`` sets after the token was typed into the login form (a browser). Both are compared in
   constant time; the token is never logged or echoed. Only the login form itself is reachable without it.
   Otherwise: 401 ``UNAUTHORIZED`` (a browser's GET of an admin page is sent to the login form instead).
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 SESSION_COOKIE = "appliance_session"
 CSRF_HEADER = "x-csrf-token"
+API_KEY_HEADER = "x-api-key"
 LOGIN_PATH = "/admin/login"
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_SHOWN_CHARS = 64
@@ -202,10 +204,11 @@ def bearer(request: Request) -> str | None:
 
 
 def authorized(request: Request, token: str, secret: bytes) -> bool:
-    """The request carries ``token`` (bearer) or a session cookie made for it; constant-time comparisons."""
-    given = bearer(request)
-    if given is not None and hmac.compare_digest(given.encode(), token.encode()):
-        return True
+    """The request carries ``token`` (bearer, or the ``x-api-key`` header of Anthropic's clients) or a session cookie
+    made for it; constant-time comparisons."""
+    for given in (bearer(request), request.headers.get(API_KEY_HEADER)):
+        if given and hmac.compare_digest(given.strip().encode(), token.encode()):
+            return True
     cookie = request.cookies.get(SESSION_COOKIE)
     return cookie is not None and hmac.compare_digest(cookie.encode(), session_value(secret, token).encode())
 
@@ -246,7 +249,8 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
     token = appliance.config.http.api_token
     if token and path != LOGIN_PATH and not authorized(request, token, appliance.session_secret):
         return ApplianceError("UNAUTHORIZED", "this appliance requires its API token: send "
-                                              "'Authorization: Bearer <http.api_token>' (or log in at /admin/login)",
+                                              "'Authorization: Bearer <http.api_token>' or 'x-api-key: "
+                                              "<http.api_token>' (or log in at /admin/login)",
                               {"path": path})
     if request.method not in UNSAFE_METHODS:
         return None

@@ -20,7 +20,9 @@ CANCEL              client  CANCEL      ``INFER_REQUEST`` (late or unknown: igno
 STREAM_TOKEN        server  IN_TASK     ``INFER_REQUEST``
 HEARTBEAT           server  IN_TASK     ``INFER_REQUEST``
 TASK_COMPLETE       server  END         ``INFER_REQUEST``
-ERROR               server  END         either kind; a null ``task_id`` is about the connection
+EMBED_REQUEST       client  OPEN        opens an ``EMBED_REQUEST`` task
+EMBEDDINGS          server  END         ``EMBED_REQUEST``
+ERROR               server  END         any kind; a null ``task_id`` is about the connection
 ==================  ======  ==========  =================================================
 
 Breaking a rule raises, and changes no state:
@@ -125,7 +127,10 @@ RULES: tuple[Rule, ...] = (
     Rule(m.StreamToken, SERVER, Effect.IN_TASK, (m.InferRequest,)),
     Rule(m.Heartbeat, SERVER, Effect.IN_TASK, (m.InferRequest,)),
     Rule(m.TaskComplete, SERVER, Effect.END, (m.InferRequest,)),
-    Rule(m.ErrorMessage, SERVER, Effect.END, (m.TaskStart, m.InferRequest)),  # task_id None: the connection
+    Rule(m.EmbedRequest, CLIENT, Effect.OPEN),
+    Rule(m.Embeddings, SERVER, Effect.END, (m.EmbedRequest,)),
+    Rule(m.ErrorMessage, SERVER, Effect.END,
+         (m.TaskStart, m.InferRequest, m.EmbedRequest)),  # task_id None: the connection
 )
 """The conversation rules, one row per (message type, sender); a pair that is not here is not allowed."""
 

@@ -60,7 +60,8 @@ COMMANDS: dict[str, str] = {
     "REGISTER": "REGISTER <agent> <model|gguf path>  admit a model (ledger) and give the agent a slot; <agent>: "
                 f"{AGENT_ID_RULE}; at most max_agents agents in all",
     "UNREGISTER": "UNREGISTER <agent>                 free the agent's slot (and the model if unused)",
-    "DECODE": "DECODE <agent> <n_tokens> [prompt]  generate; an empty prompt continues the conversation",
+    "DECODE": "DECODE <agent> <n_tokens> [prompt]  generate; an empty prompt continues the conversation; the prompt "
+              "is raw text: no chat template, no control tokens (<|im_start|> is its letters), no tools",
     "RESYNC": "RESYNC                             re-read the device and re-base the ledger cap",
     "RELOAD": "RELOAD [benchmark]                 re-read appliance.yaml now (the record says who asked)",
     "TUNE": "TUNE [engine.<key>=<value> ...]     engine settings over the file's while this connection lasts "

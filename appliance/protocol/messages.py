@@ -7,16 +7,24 @@ Construction validates and raises :class:`~appliance.protocol.frames.LocalProtoc
 ``details = {"field", "reason"}``). It also normalises: lists become tuples, dicts become records (``usage``,
 ``tool_call``, ...), ints become floats where a number is expected; so ``parse_message(m.to_payload()) == m``.
 
+Fields added to version 1 after its first release (``tool_choice``, ``logprobs`` and the sampling settings of
+INFER_REQUEST, a chat message's ``tool_calls`` and ``tool_call_id``, a tool call's ``id``) are optional and left out
+of a payload while they are null, so a peer that does not know them still reads every message that does not use
+them.
+
 :func:`parse_message` refuses unknown types and missing, unknown or invalid fields with a non-fatal
 :class:`~appliance.protocol.frames.RemoteProtocolError` (the framing is intact, the connection can go on).
 
 Tasks
 -----
 
-- The client picks a ``task_id`` for each TASK_START, INFER_REQUEST and CANCEL; many may be in flight at once.
+- The client picks a ``task_id`` for each TASK_START, INFER_REQUEST, EMBED_REQUEST and CANCEL; many may be in
+  flight at once.
 - TASK_START is answered by its echo with ``status``.
 - INFER_REQUEST is answered by any STREAM_TOKEN / HEARTBEAT and then one TASK_COMPLETE or ERROR, all with its
   ``task_id``.
+- EMBED_REQUEST (a message type added to version 1 later: a server that does not know it refuses it with a
+  non-fatal BAD_PAYLOAD) is answered by one EMBEDDINGS or ERROR with its ``task_id``.
 - CANCEL ends that task with ERROR ``CANCELLED`` (ignored for unknown or finished tasks).
 - ERROR with a null ``task_id`` concerns the connection.
 - PROTOCOL_INFO without fields asks; the reply PROTOCOL_INFO carries them all.
@@ -42,8 +50,15 @@ MAX_TOKENS_LIMIT = 131072
 MAX_STOP_STRINGS = 16
 MAX_CHAT_MESSAGES = 4096
 MAX_SUPPORTED_VERSIONS = 64
+MAX_TOOL_CALLS = 128
 ROLES = ("system", "user", "assistant", "tool")
 STOP_REASONS = ("stop", "length", "tool_call")
+TOOL_CHOICES = ("auto", "none", "required")
+MAX_SEED = 2**32 - 2
+MAX_TOP_K = 1 << 20
+MAX_EMBED_INPUTS = 2048
+"""Texts one EMBED_REQUEST may hold (as ``POST /v1/embeddings``'s ``input``)."""
+MAX_EMBED_DIMENSIONS = 1 << 20
 
 _MAX_EXACT_FLOAT_INT = 2**53  # larger ints do not survive the conversion to float
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -56,12 +71,13 @@ def _fail(name: str, reason: str) -> NoReturn:
     raise LocalProtocolError("BAD_PAYLOAD", f"{name}: {reason}", details={"field": name, "reason": reason})
 
 
-def _field(check: Check, default: Any = MISSING, *, default_factory: Any = MISSING) -> Any:
+def _field(check: Check, default: Any = MISSING, *, default_factory: Any = MISSING, omit_null: bool = False) -> Any:
     """A dataclass field validated by ``check``.
 
-    A field whose default is None may be None (JSON null): the check is skipped for it.
+    A field whose default is None may be None (JSON null): the check is skipped for it. An ``omit_null`` field (one
+    added to version 1 later) is left out of the payload while it is None.
     """
-    metadata = {"check": check, "nullable": default is None}
+    metadata = {"check": check, "nullable": default is None, "omit_null": omit_null}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -115,6 +131,17 @@ def _check_error_code(value: Any, name: str) -> str:
 def _check_json_object(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         _fail(name, "must be a JSON object")
+    check_json(value, name)
+    return value
+
+
+def _check_tool_choice(value: Any, name: str) -> str | dict[str, Any]:
+    """``auto``, ``none``, ``required``, or a JSON object (OpenAI's ``{"type": "function", "function": {"name": ...}}``,
+    checked against the session's tools by the server)."""
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        return value
+    if not isinstance(value, dict):
+        _fail(name, f"must be one of {list(TOOL_CHOICES)} or a JSON object naming a function")
     check_json(value, name)
     return value
 
@@ -212,8 +239,17 @@ _check_non_negative = _number(0.0, math.inf)
 _check_logprob = _number(-math.inf, 0.0)
 _check_temperature = _number(0.0, 2.0)
 _check_top_p = _number(0.0, 1.0, open_low=True)
+_check_seed = _integer(0, MAX_SEED)
+_check_top_k = _integer(0, MAX_TOP_K)
+_check_min_p = _number(0.0, 1.0)
+_check_repeat_penalty = _number(0.0, 10.0, open_low=True)
+_check_openai_penalty = _number(-2.0, 2.0)
 _check_stop_strings = _array(_check_identifier, MAX_STOP_STRINGS)
 _check_supported_versions = _array(_check_uint16, MAX_SUPPORTED_VERSIONS, non_empty=True)
+_check_dimensions = _integer(1, MAX_EMBED_DIMENSIONS)
+_check_embed_inputs = _array(_check_text, MAX_EMBED_INPUTS, non_empty=True)
+_check_vectors = _array(_array(_number(-math.inf, math.inf), MAX_EMBED_DIMENSIONS, non_empty=True), MAX_EMBED_INPUTS,
+                        non_empty=True)
 
 
 def _check_timings(value: Any, name: str) -> dict[str, float]:
@@ -250,7 +286,13 @@ def _build(cls: type[_Record], data: dict[str, Any], name: str) -> Any:
 def _dump(value: Any) -> Any:
     """The JSON value of a record field: records as dicts, tuples as lists."""
     if isinstance(value, _Record):
-        return {f.name: _dump(getattr(value, f.name)) for f in fields(value)}  # type: ignore[arg-type]
+        dumped = {}
+        for declared in fields(value):  # type: ignore[arg-type]
+            item = getattr(value, declared.name)
+            if item is None and declared.metadata["omit_null"]:
+                continue
+            dumped[declared.name] = _dump(item)
+        return dumped
     if isinstance(value, tuple | list):
         return [_dump(item) for item in value]
     if isinstance(value, dict):
@@ -275,21 +317,37 @@ class _Record:
 
 
 @dataclass(frozen=True)
+class ToolCall(_Record):
+    """A call of the tool ``name``; ``id`` is the server's (a TASK_COMPLETE's call), sent back in the history as the
+    assistant message's call and as the ``tool_call_id`` of its result."""
+
+    name: str = _field(_check_identifier)
+    arguments: dict[str, Any] = _field(_check_json_object, default_factory=dict)
+    id: str | None = _field(_check_identifier, None, omit_null=True)
+
+
+@dataclass(frozen=True)
 class ChatMessage(_Record):
+    """One message of a chat; an ``assistant`` message may hold the ``tool_calls`` it made, a ``tool`` message (a
+    call's result) the ``tool_call_id`` it answers."""
+
     role: str = _field(_one_of(ROLES))
     content: str = _field(_check_text)
+    tool_calls: tuple[ToolCall, ...] | None = _field(_array(_record(ToolCall), MAX_TOOL_CALLS, non_empty=True), None,
+                                                     omit_null=True)
+    tool_call_id: str | None = _field(_check_identifier, None, omit_null=True)
+
+    def _validate(self) -> None:
+        if self.tool_calls is not None and self.role != "assistant":
+            _fail("tool_calls", "only allowed in an assistant message")
+        if self.tool_call_id is not None and self.role != "tool":
+            _fail("tool_call_id", "only allowed in a tool message")
 
 
 @dataclass(frozen=True)
 class Usage(_Record):
     prompt_tokens: int = _field(_check_count)
     completion_tokens: int = _field(_check_count)
-
-
-@dataclass(frozen=True)
-class ToolCall(_Record):
-    name: str = _field(_check_identifier)
-    arguments: dict[str, Any] = _field(_check_json_object, default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -324,7 +382,10 @@ class _Message(_Record):
 
 @dataclass(frozen=True)
 class TaskStart(_Message):
-    """Open the agent session ``session_id`` on ``model``; the server's echo sets ``status`` (e.g. "started")."""
+    """Open the agent session ``session_id`` on ``model``; the server's echo sets ``status`` (e.g. "started").
+
+    ``tools``: the functions the session's chat requests may call, as OpenAI's ``tools`` (a list of ``{"type":
+    "function", "function": {"name", "description", "parameters"}}``); the server checks them (BAD_REQUEST)."""
 
     TYPE: ClassVar[str] = "TASK_START"
     task_id: str = _field(_check_identifier)
@@ -336,7 +397,13 @@ class TaskStart(_Message):
 
 @dataclass(frozen=True)
 class InferRequest(_Message):
-    """Generate: exactly one of ``prompt``/``messages``; ``session_id`` (an agent's conversation) or ``model``."""
+    """Generate: exactly one of ``prompt``/``messages``; ``session_id`` (an agent's conversation) or ``model``.
+
+    ``prompt`` is raw text; ``messages`` are rendered with the model's chat template (and the session's tools).
+    ``tool_choice`` (messages only): ``auto`` (the default), ``none``, ``required`` or OpenAI's named function.
+    ``logprobs`` (streams only): each STREAM_TOKEN carries its ``logprob``. ``seed``, ``top_k``, ``min_p``,
+    ``repeat_penalty`` (llama.cpp's, 1 is off), ``frequency_penalty`` and ``presence_penalty`` (OpenAI's, 0 is off):
+    None is the engine's default."""
 
     TYPE: ClassVar[str] = "INFER_REQUEST"
     task_id: str = _field(_check_identifier)
@@ -351,12 +418,24 @@ class InferRequest(_Message):
     top_p: float = _field(_check_top_p, 0.95)
     stop: tuple[str, ...] = _field(_check_stop_strings, ())
     stream: bool = _field(_check_boolean, False)
+    tool_choice: str | dict[str, Any] | None = _field(_check_tool_choice, None, omit_null=True)
+    logprobs: bool | None = _field(_check_boolean, None, omit_null=True)
+    seed: int | None = _field(_check_seed, None, omit_null=True)
+    top_k: int | None = _field(_check_top_k, None, omit_null=True)
+    min_p: float | None = _field(_check_min_p, None, omit_null=True)
+    repeat_penalty: float | None = _field(_check_repeat_penalty, None, omit_null=True)
+    frequency_penalty: float | None = _field(_check_openai_penalty, None, omit_null=True)
+    presence_penalty: float | None = _field(_check_openai_penalty, None, omit_null=True)
 
     def _validate(self) -> None:
         if self.model is None and self.session_id is None:
             _fail("model", "one of model or session_id is required")
         if (self.prompt is None) == (self.messages is None):
             _fail("prompt", "exactly one of prompt or messages is required")
+        if self.tool_choice is not None and self.messages is None:
+            _fail("tool_choice", "only allowed with messages (a prompt is raw text)")
+        if self.logprobs and not self.stream:
+            _fail("logprobs", "only allowed with stream (each STREAM_TOKEN carries its logprob)")
 
 
 @dataclass(frozen=True)
@@ -402,6 +481,39 @@ class TaskComplete(_Message):
             _fail("tool_call", "required when stop_reason is 'tool_call'")
         if self.stop_reason != "tool_call" and self.tool_call is not None:
             _fail("tool_call", "only allowed when stop_reason is 'tool_call'")
+
+
+@dataclass(frozen=True)
+class EmbedRequest(_Message):
+    """The embeddings of ``input`` (texts, in order) from ``model``, whose ``models[].embeddings`` must be true;
+    ``dimensions``, if given, must be the model's."""
+
+    TYPE: ClassVar[str] = "EMBED_REQUEST"
+    task_id: str = _field(_check_identifier)
+    model: str = _field(_check_identifier)
+    input: tuple[str, ...] = _field(_check_embed_inputs)
+    dimensions: int | None = _field(_check_dimensions, None, omit_null=True)
+
+
+@dataclass(frozen=True)
+class EmbedUsage(_Record):
+    prompt_tokens: int = _field(_check_count)
+
+
+@dataclass(frozen=True)
+class Embeddings(_Message):
+    """An EMBED_REQUEST's answer: one unit vector per input, in order, all of ``dimensions`` numbers, and the
+    tokens the inputs were."""
+
+    TYPE: ClassVar[str] = "EMBEDDINGS"
+    task_id: str = _field(_check_identifier)
+    model: str = _field(_check_identifier)
+    data: tuple[tuple[float, ...], ...] = _field(_check_vectors)
+    usage: EmbedUsage = _field(_record(EmbedUsage))
+
+    def _validate(self) -> None:
+        if len({len(vector) for vector in self.data}) != 1:
+            _fail("data", "every vector must have the same number of dimensions")
 
 
 @dataclass(frozen=True)
@@ -456,6 +568,8 @@ Message = (
     | StreamToken
     | Heartbeat
     | TaskComplete
+    | EmbedRequest
+    | Embeddings
     | Cancel
     | ProtocolInfoRequest
     | ProtocolInfo
@@ -468,6 +582,8 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
     "STREAM_TOKEN": StreamToken,
     "HEARTBEAT": Heartbeat,
     "TASK_COMPLETE": TaskComplete,
+    "EMBED_REQUEST": EmbedRequest,
+    "EMBEDDINGS": Embeddings,
     "CANCEL": Cancel,
     "PROTOCOL_INFO": ProtocolInfo,  # or ProtocolInfoRequest when it has no fields: see parse_message
     "ERROR": ErrorMessage,

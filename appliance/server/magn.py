@@ -4,6 +4,27 @@ The conversation rules (framing, who sends what, tasks in flight, duplicate ``ta
 :class:`~appliance.protocol.connection.Connection`; how a generation ends is :mod:`appliance.server.outcome`; the
 streaming of its tokens and heartbeats is :class:`~appliance.server.pump.TokenPump`. This module is the IO shell
 that joins them to the socket and the daemon.
+
+Chat (the same machinery as the OpenAI API's): an INFER_REQUEST's ``messages`` are rendered with the model's chat
+template into a :class:`~appliance.engine.interface.Prompt` (control tokens from the template only, never from a
+message's text; :func:`appliance.engine.chat.render_prompt`), with the tools its session was started with (TASK_START
+``tools``, checked by :func:`appliance.engine.toolcalls.parse_tools`) unless ``tool_choice`` is ``none``. With a
+session the messages are its whole history (the conversation keeps what it holds of them and evaluates the rest);
+without one they start a fresh conversation. A ``prompt`` is raw text: no template, no control tokens, no tools.
+
+Tool calls (:func:`plan_chat`, :func:`completion`): with tools in play the output is constrained by the grammar of
+the template's call format (``tool_choice``: ``auto`` lazy, ``required`` or a named function from the first token)
+to ONE call per answer, and parsed: an answer that made its call and ended (the grammar's end, then the end of turn)
+ends with ``stop_reason: "tool_call"`` and the call (its ``id``, ``name`` and ``arguments``) in ``tool_call``;
+``text`` is the answer's text outside the call. An answer cut short inside its call (``max_tokens``, the context's
+end, a stop string), or whose arguments a frame cannot carry (a number past a float's range, nesting past the
+frame's depth), carries no ``tool_call`` and its raw text. Streamed tokens are always the raw output, the call's
+markup included.
+
+Embeddings: an EMBED_REQUEST is :meth:`appliance.daemon.core.Daemon.embed` of its texts (the model's
+``models[].embeddings`` must be true), answered by one EMBEDDINGS with a unit vector per input, or by ERROR
+``FRAME_TOO_LARGE`` when the answer would not fit ``max_frame_bytes`` (fewer inputs fit). It counts as a task in
+flight (``max_tasks_per_connection``); it cannot be cancelled half way (CANCEL is ignored for it).
 """
 
 from __future__ import annotations
@@ -11,19 +32,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from appliance import __version__
-from appliance.daemon.core import Daemon, DecodeResult
-from appliance.engine.chat import render_chat
-from appliance.engine.interface import Sampling, Token
+from appliance.daemon.core import Agent, Daemon, DecodeResult, FileIdentity, file_identity
+from appliance.engine import toolcalls
+from appliance.engine.chat import ChatTemplate, Message, read_chat_template, render_prompt
+from appliance.engine.interface import Grammar, PromptText, Sampling, Token
 from appliance.errors import ApplianceError
 from appliance.protocol import messages as m
 from appliance.protocol.connection import CLOSED, NEED_DATA, SERVER, Connection, Event
-from appliance.protocol.frames import HEADER, MAGIC, SUPPORTED_VERSIONS, VERSION, Frame, RemoteProtocolError
+from appliance.protocol.frames import (
+    HEADER,
+    MAGIC,
+    SUPPORTED_VERSIONS,
+    VERSION,
+    Frame,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from appliance.server.outcome import error_of, generate
 from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings, unread_bytes
 from appliance.server.pump import TokenPump
@@ -33,6 +70,33 @@ log = logging.getLogger(__name__)
 READ_BYTES = 1 << 16
 OFF_LOOP_FRAME_BYTES = 256 * 1024
 """Frames longer than this are decoded (base64, JSON) on a worker thread."""
+UNLIKELY_LOGPROB = -9999.0
+"""A STREAM_TOKEN's ``logprob`` for a token of probability 0 (the frame holds finite numbers only)."""
+SAMPLING_FIELDS = ("seed", "top_k", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty")
+"""INFER_REQUEST fields that are :class:`~appliance.engine.interface.Sampling` settings of the same name (None: the
+engine's default)."""
+
+
+@dataclass(eq=False)
+class SessionTools:
+    """The tools a session was started with, and the grammars made of them so far (by call format and choice: a
+    grammar of many big schemas takes seconds to build, once)."""
+
+    tools: tuple[toolcalls.Tool, ...]
+    grammars: dict[tuple[toolcalls.Format, str], Grammar | None] = field(default_factory=dict)
+
+    def grammar(self, fmt: toolcalls.Format, choice: toolcalls.Choice) -> Grammar | None:
+        """``fmt``'s grammar of one call for ``choice``."""
+        key = (fmt, choice if isinstance(choice, str) else f"function:{choice.name}")
+        if key not in self.grammars:
+            self.grammars[key] = toolcalls.grammar(fmt, self.tools, choice, False)
+        return self.grammars[key]
+
+
+NO_TOOLS = SessionTools(())
+SESSION_TOOLS: weakref.WeakKeyDictionary[Agent, SessionTools] = weakref.WeakKeyDictionary()
+"""The tools of each session a TASK_START started with some, keyed by its agent (not its name: an agent registered
+again under the name starts without them); an INFER_REQUEST of that session on any connection uses them."""
 
 
 def error_frame(error: ApplianceError, task_id: str | None) -> bytes:
@@ -44,7 +108,7 @@ def error_frame(error: ApplianceError, task_id: str | None) -> bytes:
 class Task:
     """One INFER_REQUEST in flight: its request, the event that stops its generation, and the job running it."""
 
-    request: m.InferRequest
+    request: m.InferRequest | m.EmbedRequest
     cancel: threading.Event = field(default_factory=threading.Event)
     job: asyncio.Task[None] | None = None
 
@@ -183,7 +247,7 @@ class MagnSession:
                                      self.daemon.config.max_frame_bytes, "appliance", __version__))
         elif isinstance(message, m.TaskStart):
             await self.start(message)
-        elif isinstance(message, m.InferRequest):
+        elif isinstance(message, m.InferRequest | m.EmbedRequest):
             limit = self.daemon.config.max_tasks_per_connection
             if len(self.tasks) >= limit:
                 self.send(m.ErrorMessage.of(ApplianceError(
@@ -193,39 +257,60 @@ class MagnSession:
             task = Task(message)
             self.tasks[message.task_id] = task
             self.clock.busy(True)
-            task.job = asyncio.create_task(self.infer(task))
+            task.job = asyncio.create_task(self.infer(task) if isinstance(message, m.InferRequest) else
+                                           self.embed(message))
         elif isinstance(message, m.Cancel):
             task = self.tasks.get(message.task_id)  # the connection drops late CANCELs: this is a task in flight
             if task is not None:
                 task.cancel.set()
 
     async def start(self, message: m.TaskStart) -> None:
-        try:
-            await self.daemon.register(message.session_id, message.model, owner=self.writer)
+        try:  # each tool's schema is checked and converted: off the loop (a big list takes seconds)
+            tools = await asyncio.to_thread(toolcalls.parse_tools, message.tools) if message.tools is not None else ()
+            agent = await self.daemon.register(message.session_id, message.model, owner=self.writer)
         except ApplianceError as exc:
             self.send(m.ErrorMessage.of(exc, message.task_id))
             return
+        if tools:
+            SESSION_TOOLS[agent] = SessionTools(tools)
         self.send(m.TaskStart(message.task_id, message.session_id, message.model, message.tools, "started"))
 
     # -- one INFER_REQUEST ------------------------------------------------------------------------------------------
 
+    async def embed(self, request: m.EmbedRequest) -> None:
+        task_id = request.task_id
+        try:
+            try:
+                result = await self.daemon.embed(request.model, request.input, request.dimensions)
+                answer: m.Message = await asyncio.to_thread(embeddings_answer, request, result.vectors,
+                                                            result.prompt_tokens, self.daemon.config.max_frame_bytes)
+            except Exception as exc:
+                answer = m.ErrorMessage.of(error_of(exc), task_id)
+            self.send(answer)
+        finally:
+            self.tasks.pop(task_id, None)
+            self.clock.busy(bool(self.tasks))
+            with contextlib.suppress(ConnectionError):
+                await self.flush()
+
     async def infer(self, task: Task) -> None:
         request = task.request
+        assert isinstance(request, m.InferRequest)
         task_id = request.task_id
         pump = TokenPump(asyncio.get_running_loop(), functools.partial(self._deliver, task_id), cancel=task.cancel,
                          heartbeat=functools.partial(self._heartbeat, task_id),
                          heartbeat_interval_s=self._heartbeat_interval_s,
                          backlog=functools.partial(unread_bytes, self.writer), stall_timeout_s=self._stall_timeout_s)
-        prompt = request.prompt if request.prompt is not None else render_chat(request.messages or ())
-        sampling = Sampling(temperature=request.temperature, top_p=request.top_p, stop=request.stop)
         try:
             try:
+                plan = await self.plan(request)
                 with pump:  # on exit every token is delivered: nothing can follow the end
-                    result = await generate(self.daemon, surface="magn", prompt=prompt, max_tokens=request.max_tokens,
-                                            sampling=sampling, session_id=request.session_id, model=request.model,
+                    result = await generate(self.daemon, surface="magn", prompt=plan.prompt,
+                                            max_tokens=request.max_tokens, sampling=sampling_of(request, plan.grammar),
+                                            session_id=request.session_id, model=request.model,
                                             on_token=pump.on_token if request.stream else None, cancel=task.cancel,
                                             queue=("connection", id(self)))
-                end: m.Message = completion(task_id, result)
+                end: m.Message = completion(task_id, result, plan.fmt)
             except Exception as exc:
                 end = m.ErrorMessage.of(self.stall_error(exc) if pump.stalled else error_of(exc), task_id)
             self.send(end)
@@ -234,6 +319,20 @@ class MagnSession:
             self.clock.busy(bool(self.tasks))
             with contextlib.suppress(ConnectionError):
                 await self.flush()
+
+    async def plan(self, request: m.InferRequest) -> ChatPlan:
+        """How ``request`` runs: a ``prompt`` as it is; ``messages`` rendered with its model's template and its
+        session's tools (the template is code: it runs off the loop)."""
+        if request.prompt is not None:
+            return ChatPlan(request.prompt)
+        session = NO_TOOLS
+        if request.session_id is not None:
+            agent = self.daemon.agent(request.session_id)
+            path = agent.model.path
+            session = SESSION_TOOLS.get(agent, NO_TOOLS)
+        else:
+            path = self.daemon.resolve(request.model or "").path
+        return await asyncio.to_thread(plan_chat, path, request, session)
 
     def stall_error(self, exc: Exception) -> ApplianceError:
         """The TIMEOUT for a stream cancelled because its client read nothing for ``socket.stall_timeout_s``."""
@@ -247,7 +346,8 @@ class MagnSession:
         """The pump's sink: one write of STREAM_TOKEN frames; False once the client is gone."""
         if self.writer.is_closing():
             return False
-        messages = [m.StreamToken(task_id, token.text, token.id, token.timestamp) for token in tokens]
+        messages = [m.StreamToken(task_id, token.text, token.id, token.timestamp, logprob_of(token))
+                    for token in tokens]
         if self._parsing:
             self._held.extend(messages)
             return True
@@ -262,13 +362,124 @@ class MagnSession:
         return self.daemon.config.heartbeat_interval_s
 
 
+def logprob_of(token: Token) -> float | None:
+    """A STREAM_TOKEN's ``logprob``: the token's log-probability when the request asked for them."""
+    if token.logprobs is None:
+        return None
+    return min(0.0, max(UNLIKELY_LOGPROB, token.logprobs.token.logprob))
+
+
+# -- chat: the prompt, the sampling and the tool call (pure but for the template file's read) --------------------------
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How one INFER_REQUEST runs: its prompt, and with tools in play their call format (its output is parsed for
+    a call) and grammar."""
+
+    prompt: PromptText
+    fmt: toolcalls.Format | None = None
+    grammar: Grammar | None = None
+
+
+@functools.lru_cache(maxsize=32)
+def _template(path: str, identity: FileIdentity) -> ChatTemplate:
+    return read_chat_template(path)
+
+
+def model_template(path: Path) -> ChatTemplate:
+    """The chat template of the model file at ``path`` (read once per version of the file). Blocking."""
+    return _template(str(path), file_identity(path))
+
+
+def history_message(turn: m.ChatMessage) -> Message:
+    """A MAGN chat message as :func:`~appliance.engine.chat.render_prompt` takes it (a call's arguments as JSON
+    text; a call without an ``id`` has an empty one)."""
+    calls = tuple(toolcalls.ToolCall(call.id or "", call.name, json.dumps(call.arguments, ensure_ascii=False))
+                  for call in turn.tool_calls or ())
+    return Message(turn.role, turn.content, calls, turn.tool_call_id)
+
+
+def plan_chat(path: Path, request: m.InferRequest, session: SessionTools) -> ChatPlan:
+    """The plan of a chat request on the model file at ``path`` with its ``session``'s tools: ``tool_choice``
+    checked against them (``BAD_REQUEST``), the messages rendered (the session's whole history when it has one), and
+    with tools in play the format's grammar for one call. Blocking (the template is code)."""
+    tools = session.tools
+    choice = toolcalls.parse_choice(request.tool_choice, tools)
+    template = model_template(path)
+    turns = [history_message(turn) for turn in request.messages or ()]
+    prompt = render_prompt(template, turns, tools, choice=choice, history=request.session_id is not None)
+    if not tools or choice == "none":
+        return ChatPlan(prompt)
+    fmt = toolcalls.detect(template.source)
+    return ChatPlan(prompt, fmt, session.grammar(fmt, choice))
+
+
+def sampling_of(request: m.InferRequest, grammar: Grammar | None) -> Sampling:
+    """The engine's sampling settings for ``request`` (a setting it leaves null: the engine's default)."""
+    settings: dict[str, Any] = {"temperature": request.temperature, "top_p": request.top_p, "stop": request.stop,
+                                "grammar": grammar, "logprobs": 0 if request.logprobs else None}
+    for name in SAMPLING_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            settings[name] = value
+    return Sampling(**settings)
+
+
+def the_call(calls: list[toolcalls.ToolCall]) -> m.ToolCall | None:
+    """The answer's call as TASK_COMPLETE carries it: one call whose arguments are a whole JSON object that a frame
+    can carry (None when the answer made none, its call was cut short, or a frame cannot hold its arguments)."""
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return m.ToolCall(call.name, arguments, call.id)
+    except LocalProtocolError:
+        return None
+
+
 STOP_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def completion(task_id: str, result: DecodeResult) -> m.TaskComplete:
+def embeddings_answer(request: m.EmbedRequest, vectors: Sequence[np.ndarray], prompt_tokens: int,
+                      max_frame_bytes: int) -> m.Embeddings:
+    """The EMBEDDINGS of a request's vectors (float32 values as the HTTP route's ``float`` encoding gives them), or
+    ``FRAME_TOO_LARGE`` when its frame would be over ``max_frame_bytes``. Blocking (off the loop: big lists)."""
+    data = tuple(tuple(float(x) for x in np.asarray(vector, dtype="<f4")) for vector in vectors)
+    answer = m.Embeddings(request.task_id, request.model, data, m.EmbedUsage(prompt_tokens))
+    length = len(m.encode_message(answer)) - HEADER.size
+    if length > max_frame_bytes:
+        per_input = length // len(data)
+        raise ApplianceError("FRAME_TOO_LARGE", f"the EMBEDDINGS of {len(data)} inputs would be a {length}-byte "
+                                                f"frame, over max_frame_bytes {max_frame_bytes}: send at most "
+                                                f"{max(1, max_frame_bytes // per_input)} inputs a request",
+                             {"length": length, "max_frame_bytes": max_frame_bytes, "inputs": len(data)})
+    return answer
+
+
+def completion(task_id: str, result: DecodeResult, fmt: toolcalls.Format | None = None) -> m.TaskComplete:
     """The TASK_COMPLETE of a finished generation (SPEC E6): its times in ``timings`` (``ttft_ms`` left out when
-    no token was generated), its peak memory, plan and threads in ``stats``."""
+    no token was generated), its peak memory, plan and threads in ``stats``. With a tool call format ``fmt`` the
+    output is parsed: a call in an answer that ended at its end of turn (the grammar's end) is ``tool_call`` (stop
+    reason ``tool_call``) and ``text`` the content around it; an answer without a call has its content as ``text``;
+    one that a length or stop string cut inside its call its raw text."""
     gen = result.generation
+    text = gen.text
+    stop_reason = STOP_REASONS[gen.stop_reason]
+    tool_call = None
+    if fmt is not None:
+        content, calls = toolcalls.parse(fmt, gen.text)
+        tool_call = the_call(calls) if gen.stop_reason == "eos" else None
+        if tool_call is not None:
+            stop_reason = "tool_call"
+        if tool_call is not None or not calls:
+            text = content
     timings = {"elapsed_ms": gen.elapsed_s * 1000}
     if gen.ttft_s is not None:
         timings["ttft_ms"] = gen.ttft_s * 1000
@@ -279,8 +490,10 @@ def completion(task_id: str, result: DecodeResult) -> m.TaskComplete:
         stats["prompt_evaluated"] = gen.prompt_evaluated
     if result.notice is not None:  # once: its model was reloaded with another vocabulary
         stats["notice"] = result.notice
-    return m.TaskComplete(task_id, gen.text, m.Usage(gen.prompt_tokens, gen.generated_tokens),
-                          STOP_REASONS[gen.stop_reason], timings, stats=stats)
+    if fmt is not None:
+        stats["tool_format"] = fmt.name
+    return m.TaskComplete(task_id, text, m.Usage(gen.prompt_tokens, gen.generated_tokens), stop_reason, timings,
+                          tool_call, stats=stats)
 
 
 async def serve_magn(daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

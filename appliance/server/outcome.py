@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable
 
 from appliance.daemon.core import Daemon, DecodeResult
 from appliance.daemon.requests import Outcome, RequestRecord, Surface
-from appliance.engine.interface import Generation, Sampling, Token
+from appliance.engine.interface import Generation, PromptText, Sampling, Token
 from appliance.errors import ApplianceError, internal
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def error_of(exc: Exception) -> ApplianceError:
     return internal(exc)
 
 
-async def generate(daemon: Daemon, *, surface: Surface, prompt: str, max_tokens: int, sampling: Sampling,
+async def generate(daemon: Daemon, *, surface: Surface, prompt: PromptText, max_tokens: int, sampling: Sampling,
                    session_id: str | None = None, model: str | None = None,
                    on_token: Callable[[Token], None] | None = None,
                    cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:

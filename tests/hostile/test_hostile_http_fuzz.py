@@ -424,7 +424,7 @@ def test_fuzzed_http_gets_p4_answers_and_the_daemon_keeps_serving(hostile):
 
 # -- the auth matrix --------------------------------------------------------------------------------------------------
 
-PATH_PARAMS = {"model": "demo", "file": "none.json"}
+PATH_PARAMS = {"model": "demo", "file": "none.json", "response_id": "resp_none"}
 """What each path parameter of a route is filled with."""
 EXTRA_ROUTES = (("GET", "/static/admin.js"), ("GET", "/no/such/route"), ("POST", "/admin/no/such/route"))
 """Besides the app's routes: a static file (a mount) and paths of no route."""
@@ -440,9 +440,19 @@ POST_BODIES: dict[str, tuple[str, bytes]] = {
     "/admin/registry/unregister": ("application/x-www-form-urlencoded", b"agent=matrix"),
     "/admin/registry/load": ("application/x-www-form-urlencoded", b"model=demo"),
     "/admin/registry/unload": ("application/x-www-form-urlencoded", b"model=demo"),
+    "/v1/messages": ("application/json", json.dumps({"model": "demo", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}]}).encode()),
+    "/v1/messages/count_tokens": ("application/json", json.dumps({"model": "demo", "messages": [
+        {"role": "user", "content": "hi"}]}).encode()),
+    "/v1/responses": ("application/json", json.dumps({"model": "demo", "input": "hi", "max_output_tokens": 2,
+                                                      "store": False}).encode()),
+    "/v1/responses/input_tokens": ("application/json", json.dumps({"model": "demo", "input": "hi"}).encode()),
+    "/v1/embeddings": ("application/json", json.dumps({"model": "demo", "input": "hi"}).encode()),
 }
 """A request each POST route does something with (the others are sent without a body)."""
 KNOWN_ANSWERS = {("GET", "/"): 307, ("GET", "/admin"): 307, ("GET", "/admin/benchmarks/result/none.json"): 404,
+                 ("GET", "/v1/responses/resp_none"): 404, ("DELETE", "/v1/responses/resp_none"): 404,
+                 ("POST", "/v1/embeddings"): 400,  # demo is not an embeddings model: through the guard, refused
                  ("GET", "/no/such/route"): 404, ("POST", "/admin/no/such/route"): 404}
 """With the token: what a route answers when it is not 200 (a redirect to /admin/, no such result or route)."""
 OPEN_ROUTES = frozenset({("GET", "/admin/login")})

@@ -1,0 +1,315 @@
+"""The OpenAI Responses API: ``POST /v1/responses`` (plain or streamed), ``GET`` and ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/input_tokens``. The request and the documents are the pure :mod:`appliance.http.
+responses_schema`; the generation is the chat path's (:func:`appliance.http.openai.chat_plan`, :class:`~appliance.
+http.openai.Run`): one engine, one ledger, one error mapping.
+
+* **Stored responses are agent conversations.** A response with ``store`` (the default, as OpenAI) and no
+  ``previous_response_id`` runs in a new agent named by its own id (``resp_…``, owner none); the store keeps, per
+  response, its document and the conversation's messages through it. A follow-up naming it with
+  ``previous_response_id`` runs in that agent, its prompt the whole history re-rendered (``history``): the engine keeps
+  the common token prefix and evaluates only the new turn (``input_tokens_details.cached_tokens``). A stored
+  response lives as long as its agent (``agent_idle_ttl_s`` expires both; ``max_agents`` refuses a new chain with
+  ``TOO_MANY_AGENTS``); ``DELETE`` unregisters the agent once no stored response uses it.
+* ``store: false`` without ``previous_response_id`` runs on a fresh context, like a chat without ``user``.
+* **Reasoning.** A model whose template writes ``<think>…</think>`` (``models[].reasoning: split``, the default) has
+  it split out by the chat path's splitter (:meth:`~appliance.http.openai.ChatPlan.splitter`) into a ``reasoning``
+  item before the answer; a follow-up's history leaves it out, as those templates do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from appliance.daemon.core import Agent, Daemon
+from appliance.engine import reasoning, toolcalls
+from appliance.engine.chat import Message
+from appliance.engine.interface import Token
+from appliance.errors import ApplianceError
+from appliance.http import openai_schema as chat_schema
+from appliance.http import responses_schema as schema
+from appliance.http.errors import error_body
+from appliance.http.openai import END, PING, ChatPlan, Done, Run, chat_plan, daemon_of, outcome, read_body
+from appliance.http.tokencount import count_chat
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A stored response: its document, the agent whose conversation it is, and that conversation's messages
+    through this response (its output included; ``instructions`` apart)."""
+
+    document: dict[str, Any]
+    agent: Agent
+    messages: tuple[Message, ...]
+
+
+class Store:
+    """The stored responses of one appliance, each alive while its agent is (the same registration)."""
+
+    def __init__(self) -> None:
+        self.responses: dict[str, Stored] = {}
+
+    def alive(self, daemon: Daemon, stored: Stored) -> bool:
+        return daemon.agents.get(stored.agent.id) is stored.agent
+
+    def prune(self, daemon: Daemon) -> None:
+        """Forget the responses whose agent is gone (expired, unregistered, or its model removed)."""
+        for ident in [ident for ident, stored in self.responses.items() if not self.alive(daemon, stored)]:
+            del self.responses[ident]
+
+    def get(self, daemon: Daemon, ident: str, param: str) -> Stored:
+        stored = self.responses.get(ident)
+        if stored is not None and not self.alive(daemon, stored):
+            self.prune(daemon)
+            stored = None
+        if stored is None:
+            shown = ident[:80]
+            raise ApplianceError("NOT_FOUND", f"no stored response {shown!r} (never stored, deleted, or expired "
+                                              "with its conversation: agent_idle_ttl_s)",
+                                 {"param": param, "response": shown})
+        return stored
+
+    def put(self, daemon: Daemon, ident: str, stored: Stored) -> None:
+        self.prune(daemon)
+        self.responses[ident] = stored
+
+    async def delete(self, daemon: Daemon, ident: str) -> None:
+        """Forget ``ident``; unregister its agent when no other stored response is in its conversation."""
+        stored = self.get(daemon, ident, "response_id")
+        del self.responses[ident]
+        if any(other.agent is stored.agent for other in self.responses.values()):
+            return
+        with contextlib.suppress(ApplianceError):  # it expired meanwhile: nothing left to unregister
+            await daemon.unregister(stored.agent.id, reason=f"its last stored response {ident} was deleted")
+
+
+def store_of(request: Request) -> Store:
+    state = request.app.state
+    found = getattr(state, "responses_store", None)
+    if found is None:
+        found = state.responses_store = Store()
+    return found
+
+
+class ResponseRun(Run):
+    """The chat path's run in the conversation the Responses API names (None: a fresh context)."""
+
+    def __init__(self, request: Request, daemon: Daemon, options: chat_schema.Options, plan: ChatPlan,
+                 conversation: str | None) -> None:
+        self.conversation = conversation
+        super().__init__(request, daemon, options, plan.prompt, grammar=plan.grammar, surface="responses")
+        self.param = "previous_response_id"
+
+    def agent_name(self, request: Request) -> str | None:
+        return self.conversation
+
+
+@dataclass
+class Turn:
+    """One ``POST /v1/responses``: its request, the history it continues, its id, plan and output so far. The
+    reply's text goes through the plan's reasoning splitter (if its template writes reasoning), its answer through
+    the call format's parser (if it may call tools)."""
+
+    request: schema.ResponsesRequest
+    history: tuple[Message, ...]
+    ident: str
+    created: int
+    plan: ChatPlan
+    output: schema.Output
+    parser: toolcalls.StreamParser | None = field(init=False)  # the call format's (None: the output is all text)
+    thoughts: reasoning.StreamSplitter | None = field(init=False)  # None: the reply is all answer
+
+    def __post_init__(self) -> None:
+        calls = self.plan.calls
+        self.parser = None if calls is None else toolcalls.StreamParser(calls)
+        self.thoughts = self.plan.splitter()
+
+    def answer(self, text: str) -> list[schema.OutputEvent]:
+        if self.parser is not None:
+            return list(self.parser.feed(text))
+        return [toolcalls.Content(text)] if text else []
+
+    def split(self, events: list[reasoning.Event]) -> list[schema.OutputEvent]:
+        """A splitter's events as output events: reasoning as it is, the answer through the call parser."""
+        out: list[schema.OutputEvent] = []
+        for event in events:
+            if isinstance(event, reasoning.Reasoning):
+                out.append(event)
+            else:
+                out += self.answer(event.text)
+        return out
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.thoughts is None:
+            return self.output.feed(self.answer(text))
+        return self.output.feed(self.split(self.thoughts.feed(text)))
+
+    def finish(self, done: Done) -> list[dict[str, Any]]:
+        tail = self.split(self.thoughts.finish()) if self.thoughts is not None else []
+        if self.parser is not None:
+            tail += self.parser.finish()
+        cut = schema.incomplete(done.generation.stop_reason)
+        return self.output.feed(tail) + self.output.finish(cut)
+
+    def document(self, status: str, done: Done | None) -> dict[str, Any]:
+        counts = None if done is None else usage(done)
+        return schema.response(self.ident, self.created, self.request, status, schema.snapshot(self.output.items),
+                               counts)
+
+    def completed(self, done: Done) -> dict[str, Any]:
+        return self.document("incomplete" if schema.incomplete(done.generation.stop_reason) else "completed", done)
+
+
+def usage(done: Done) -> dict[str, Any]:
+    generation = done.generation
+    total = generation.prompt_tokens
+    cached = 0 if generation.prompt_evaluated is None else max(0, total - generation.prompt_evaluated)
+    return schema.usage(total, generation.generated_tokens, cached)
+
+
+def remember(request: Request, daemon: Daemon, turn: Turn, run: Run, document: dict[str, Any]) -> None:
+    """Store ``turn``'s response (with ``store``) with its conversation's messages through its output."""
+    if not turn.request.store or run.agent_id is None:
+        return
+    agent = daemon.agents.get(run.agent_id)
+    if agent is None:  # its agent expired as it answered: nothing holds the conversation
+        return
+    output = schema.input_messages(document["output"], "output") if document["output"] else ()
+    messages = (*turn.history, *turn.request.input, *output)
+    store_of(request).put(daemon, turn.ident, Stored(document, agent, messages))
+
+
+async def unregister_after(daemon: Daemon, run: Run, agent_id: str) -> None:
+    """Unregister ``agent_id`` once ``run`` has ended (its registration, if it got that far, done)."""
+    await asyncio.wait([run.task])
+    with contextlib.suppress(ApplianceError):  # never registered, or gone already (expired, the daemon stops)
+        await daemon.unregister(agent_id, reason="its response was not stored (it failed, or its client left)")
+
+
+def release_unstored(request: Request, daemon: Daemon, turn: Turn, run: Run) -> None:
+    """Let the agent of a new conversation go when its first response was not stored (it failed, or its client
+    left): nothing can name it again, and it would hold a ``max_agents`` place until it expired."""
+    if run.agent_id != turn.ident or turn.ident in store_of(request).responses:
+        return
+    daemon.background(asyncio.ensure_future(unregister_after(daemon, run, run.agent_id)))
+
+
+async def stream(request: Request, daemon: Daemon, turn: Turn, run: Run, first: Any) -> AsyncIterator[bytes]:
+    """The SSE body: ``response.created`` and ``in_progress``, the output's events as tokens come, then
+    ``response.completed`` (or ``incomplete``); an error after the start is one ``error`` event."""
+    try:
+        opening = turn.document("in_progress", None)
+        yield schema.event({"type": "response.created", "response": opening, "sequence_number": 0})
+        yield schema.event({"type": "response.in_progress", "response": opening, "sequence_number": 1})
+        item = first
+        while item is not END:
+            if item is PING:
+                yield PING
+            else:
+                for payload in turn.feed(token_text(item)):
+                    yield schema.event(payload)
+            item = await run.queue.get()
+        try:
+            done = outcome(run.task)
+        except ApplianceError as exc:
+            yield schema.event(schema.error_event(error_body(exc), turn.output.sequence))
+            return
+        for payload in turn.finish(done):
+            yield schema.event(payload)
+        document = turn.completed(done)
+        remember(request, daemon, turn, run, document)
+        kind = "response.completed" if document["status"] == "completed" else "response.incomplete"
+        yield schema.event({"type": kind, "response": document, "sequence_number": turn.output.sequence})
+    finally:
+        if not run.task.done():
+            run.cancel.set()  # the client left: the engine stops at its next token
+        release_unstored(request, daemon, turn, run)
+
+
+def token_text(batch: list[Token]) -> str:
+    return "".join(token.text for token in batch)
+
+
+# -- routes --------------------------------------------------------------------------------------------------------
+
+
+async def prepared(request: Request) -> tuple[Daemon, schema.ResponsesRequest, Stored | None]:
+    """A request's checked body and the stored response it continues."""
+    body = chat_schema.parse_body(await read_body(request))
+    checked = await asyncio.to_thread(schema.responses_request, body)  # off the loop: schemas become grammars
+    daemon = daemon_of(request)
+    daemon.resolve(checked.options.model)
+    previous = None
+    if checked.previous_response_id is not None:
+        previous = store_of(request).get(daemon, checked.previous_response_id, "previous_response_id")
+    return daemon, checked, previous
+
+
+def history_of(previous: Stored | None) -> tuple[Message, ...]:
+    return () if previous is None else previous.messages
+
+
+async def create_response(request: Request) -> Response:
+    daemon, checked, previous = await prepared(request)
+    model = daemon.resolve(checked.options.model)
+    plan = await asyncio.to_thread(chat_plan, model.path, checked.chat_request(history_of(previous)),
+                                   model.spec.reasoning)
+    ident = schema.new_id("resp")
+    conversation = previous.agent.id if previous is not None else ident if checked.store else None
+    turn = Turn(checked, history_of(previous), ident, int(time.time()), plan,
+                schema.Output(first_sequence=2, namespaced=checked.namespaced))
+    run = ResponseRun(request, daemon, checked.options, plan, conversation)
+    if run.pump is None:
+        try:
+            await run.watch(request, run.task)
+            done = outcome(run.task)
+            turn.feed(done.generation.text)
+            turn.finish(done)
+            document = turn.completed(done)
+            remember(request, daemon, turn, run, document)
+        finally:
+            release_unstored(request, daemon, turn, run)
+        return JSONResponse(document)
+    try:
+        first = await run.watch(request, asyncio.ensure_future(run.queue.get()))
+        if first is END:
+            outcome(run.task)  # a failure before the first token is its own response, with its status
+    except BaseException:
+        run.cancel.set()  # this request is being cancelled (the server stops), or failed: so is its generation
+        release_unstored(request, daemon, turn, run)
+        raise
+    return StreamingResponse(stream(request, daemon, turn, run, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def get_response(request: Request) -> JSONResponse:
+    ident = request.path_params["response_id"]
+    return JSONResponse(store_of(request).get(daemon_of(request), ident, "response_id").document)
+
+
+async def delete_response(request: Request) -> JSONResponse:
+    ident = request.path_params["response_id"]
+    await store_of(request).delete(daemon_of(request), ident)
+    return JSONResponse(schema.deleted(ident))
+
+
+async def input_tokens(request: Request) -> JSONResponse:
+    """The tokens the input of a request would be, with the history it continues and its tools (nothing runs)."""
+    daemon, checked, previous = await prepared(request)
+    return JSONResponse(schema.input_tokens(await count_chat(daemon, checked.chat_request(history_of(previous)))))
+
+
+routes: list[BaseRoute] = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/input_tokens", input_tokens, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+]

@@ -26,7 +26,18 @@ from appliance.engine import reasoning, toolcalls
 from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import anthropic_schema as schema
-from appliance.http.openai import END, PING, ChatPlan, Done, Run, chat_plan, daemon_of, outcome, read_body
+from appliance.http.openai import (
+    END,
+    PING,
+    ChatPlan,
+    Done,
+    Run,
+    chat_plan,
+    daemon_of,
+    first_batch,
+    outcome,
+    read_body,
+)
 from appliance.http.openai_schema import ChatRequest, parse_body
 from appliance.http.tokencount import count_chat
 
@@ -123,13 +134,7 @@ async def messages(request: Request) -> Response:
     if run.pump is None:
         await run.watch(request, run.task)
         return JSONResponse(answer(outcome(run.task), ident, options, plan, display, max_tokens))
-    try:
-        first = await run.watch(request, asyncio.ensure_future(run.queue.get()))
-    except BaseException:
-        run.cancel.set()  # this request is being cancelled (the server stops): so is its generation
-        raise
-    if first is END:
-        outcome(run.task)  # raises a failure before the first token as its own response
+    first = await first_batch(request, run)
     return StreamingResponse(events(run, first, ident, options, plan, display, max_tokens),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

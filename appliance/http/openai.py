@@ -516,19 +516,27 @@ async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
             run.cancel.set()  # the client left: the engine stops at its next token
 
 
+async def first_batch(request: Request, run: Run) -> Any:
+    """A streamed run's first queue item (its first tokens, or :data:`END`): a failure before the first token is
+    raised, to be its own response with its status; a request cancelled meanwhile (the server stops) cancels its
+    generation."""
+    try:
+        first = await run.watch(request, asyncio.ensure_future(run.queue.get()))
+        if first is END:
+            outcome(run.task)
+    except BaseException:
+        run.cancel.set()
+        raise
+    return first
+
+
 async def respond(request: Request, run: Run, shape: Shape, plain: Any) -> Response:
     """Wait for the generation's first tokens (or its end), then stream; without a stream, wait for its end and
     answer ``plain(done)``. An error before the stream starts is its P4 response with its status."""
     if run.pump is None:
         await run.watch(request, run.task)
         return JSONResponse(plain(outcome(run.task)))
-    try:
-        first = await run.watch(request, asyncio.ensure_future(run.queue.get()))
-    except BaseException:
-        run.cancel.set()  # this request is being cancelled (the server stops): so is its generation
-        raise
-    if first is END:
-        outcome(run.task)  # raises a failure before the first token as its own response
+    first = await first_batch(request, run)
     return StreamingResponse(events(run, first, shape), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

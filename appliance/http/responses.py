@@ -30,14 +30,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Agent, Daemon
-from appliance.engine import reasoning, toolcalls
+from appliance.engine import toolcalls
 from appliance.engine.chat import Message
 from appliance.engine.interface import Token
+from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as chat_schema
 from appliance.http import responses_schema as schema
 from appliance.http.errors import error_body
-from appliance.http.openai import END, PING, ChatPlan, Done, Run, chat_plan, daemon_of, outcome, read_body
+from appliance.http.openai import (
+    END,
+    PING,
+    ChatPlan,
+    Done,
+    Run,
+    chat_plan,
+    daemon_of,
+    first_batch,
+    outcome,
+    read_body,
+)
 from appliance.http.tokencount import count_chat
 
 
@@ -124,38 +136,18 @@ class Turn:
     created: int
     plan: ChatPlan
     output: schema.Output
-    parser: toolcalls.StreamParser | None = field(init=False)  # the call format's (None: the output is all text)
-    thoughts: reasoning.StreamSplitter | None = field(init=False)  # None: the reply is all answer
+    reply: ReplyStream = field(init=False)  # the reasoning split out first, then the answer parsed for calls
 
     def __post_init__(self) -> None:
         calls = self.plan.calls
-        self.parser = None if calls is None else toolcalls.StreamParser(calls)
-        self.thoughts = self.plan.splitter()
-
-    def answer(self, text: str) -> list[schema.OutputEvent]:
-        if self.parser is not None:
-            return list(self.parser.feed(text))
-        return [toolcalls.Content(text)] if text else []
-
-    def split(self, events: list[reasoning.Event]) -> list[schema.OutputEvent]:
-        """A splitter's events as output events: reasoning as it is, the answer through the call parser."""
-        out: list[schema.OutputEvent] = []
-        for event in events:
-            if isinstance(event, reasoning.Reasoning):
-                out.append(event)
-            else:
-                out += self.answer(event.text)
-        return out
+        parser = None if calls is None else toolcalls.StreamParser(calls)
+        self.reply = ReplyStream(self.plan.splitter(), parser)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        if self.thoughts is None:
-            return self.output.feed(self.answer(text))
-        return self.output.feed(self.split(self.thoughts.feed(text)))
+        return self.output.feed(self.reply.feed(text))
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
-        tail = self.split(self.thoughts.finish()) if self.thoughts is not None else []
-        if self.parser is not None:
-            tail += self.parser.finish()
+        tail = self.reply.finish()
         cut = schema.incomplete(done.generation.stop_reason)
         return self.output.feed(tail) + self.output.finish(cut)
 
@@ -279,11 +271,8 @@ async def create_response(request: Request) -> Response:
             release_unstored(request, daemon, turn, run)
         return JSONResponse(document)
     try:
-        first = await run.watch(request, asyncio.ensure_future(run.queue.get()))
-        if first is END:
-            outcome(run.task)  # a failure before the first token is its own response, with its status
+        first = await first_batch(request, run)
     except BaseException:
-        run.cancel.set()  # this request is being cancelled (the server stops), or failed: so is its generation
         release_unstored(request, daemon, turn, run)
         raise
     return StreamingResponse(stream(request, daemon, turn, run, first), media_type="text/event-stream",

@@ -609,8 +609,8 @@ class Daemon:
                 if self.agents.get(agent_id) is not agent or not still:
                     continue
                 idle_s = self.clock() - agent.last_used
+                self.counters["agents_expired"] += 1  # counted as it leaves the table, not after its model's unload
                 await self._remove(agent, f"expired: idle for {idle_s:.1f} s, agent_idle_ttl_s {ttl:g} s")
-            self.counters["agents_expired"] += 1
             expired.append(agent_id)
         return expired
 

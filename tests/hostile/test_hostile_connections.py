@@ -188,9 +188,15 @@ def test_incomplete_big_frames_are_released_after_the_request_timeout(hostile):
     while len(hostile.app.appliance.socket_server.connections) > 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(hostile.app.appliance.socket_server.connections) == 1  # the neighbour's
-    # Freed, not held: glibc keeps freed heap pages until trimmed, so trim before measuring.
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    after = rss_bytes() - rss_before
+    # Freed, not held: glibc keeps freed heap pages until trimmed, so trim before measuring; the other threads'
+    # arenas give theirs back as those threads run (held memory never would: the bound is a quarter of it).
+    deadline = time.monotonic() + 5
+    while True:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        after = rss_bytes() - rss_before
+        if after < 20 * MiB or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     print(f"RSS held by 40 incomplete frames: {held / MiB:.0f} MiB; after release: {after / MiB:+.0f} MiB")
     assert after < 20 * MiB
 

@@ -10,41 +10,21 @@ from typing import Any
 
 import openai
 import pytest
-from harness import Running, running
+from harness import Running
+from reasoning_app import QWEN3_REPLY, R1_REPLY, reasoning_app, reply_with
 
-from appliance.config.validate import Config
 from appliance.engine import reasoning, toolcalls
-from appliance.engine.fake import FakeEngine
-from appliance.engine.interface import Sampling
 from appliance.errors import ApplianceError
 from appliance.http import responses_schema as schema
 
-R1_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
-R1_REPLY = "The sky scatters blue light more.\n</think>\n\nRayleigh scattering."
-QWEN3_REPLY = "<think>\nShort wavelengths scatter.\n</think>\n\nRayleigh scattering."
 ANSWER = "Rayleigh scattering."
 CASES = [("r1", R1_REPLY, "The sky scatters blue light more."), ("qwen3", QWEN3_REPLY, "Short wavelengths scatter.")]
 
 
 @pytest.fixture(scope="module")
 def app(chat_model: Any) -> Iterator[Running]:
-    qwen3 = chat_model("qwen2", "Qwen-Qwen3-0.6B")
-    r1 = chat_model("llama-bpe", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", R1_TOKENS)
-
-    def fake(config: Config) -> FakeEngine:
-        return FakeEngine()
-
-    models = {"r1": {"path": str(r1)}, "qwen3": {"path": str(qwen3)},
-              "r1-inline": {"path": str(r1), "reasoning": "inline"}}
-    with running(models, model_dirs=[r1.parent], engine_factory=fake) as running_app:
+    with reasoning_app(chat_model) as running_app:
         yield running_app
-
-
-def reply_with(app: Running, text: str) -> None:
-    def script(sampling: Sampling) -> str:
-        return text
-
-    app.engine.script = script
 
 
 @pytest.fixture

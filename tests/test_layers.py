@@ -31,7 +31,7 @@ PURE = [
     "daemon.ledger",
     "daemon.policy",
     "daemon.hostkv",
-    "daemon.requests",
+    "daemon.requestlog",
     "daemon.admission",
     "engine.slots",
     "engine.profile",

@@ -53,7 +53,7 @@ from appliance.config.types import Config, ModelConfig
 from appliance.config.validate import ConfigInvalid, load_config
 from appliance.daemon import statefiles
 from appliance.daemon.adaptive import usable_cores
-from appliance.daemon.core import physical_memory
+from appliance.daemon.devices import physical_memory
 from appliance.engine.gguf_meta import estimate, read_model_shape
 from appliance.errors import ApplianceError
 from appliance.protocol.lines import parse_fields, parse_reply

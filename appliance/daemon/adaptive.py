@@ -25,16 +25,18 @@ import copy
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from appliance.daemon.model import Model, cold_key, context_key, next_key
 from appliance.engine import gguf_meta, tuning
 from appliance.engine.adaptive import POOL_GRANULARITY, CpuShare, Settings, Tuner, Tuning, cpu_share
-from appliance.engine.interface import GREEDY, Conversation
+from appliance.engine.interface import GREEDY, Conversation, EngineProtocol
 from appliance.engine.profile import RequestSample
 from appliance.errors import ApplianceError
 
 if TYPE_CHECKING:
-    from appliance.daemon.core import Daemon, Model
+    from appliance.config.validate import Config
+    from appliance.daemon.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +49,17 @@ WARMUP_WORDS = (8, 16, 32, 64)
 """Prompt lengths (words) the warm-up runs cycle through: short agent turns."""
 
 
-def next_key(name: str) -> str:
-    """The ledger key of a model's next context while it is prepared beside the live one."""
-    return f"{name} (next)"
+class Owner(Protocol):
+    """What the loop uses of the daemon that owns it (:class:`appliance.daemon.core.Daemon`)."""
 
+    config: Config
+    engine: EngineProtocol
+    ledger: Ledger
+    models: dict[str, Model]
+    counters: dict[str, int]
+    closing: bool
 
-def cold_key(name: str) -> str:
-    """The ledger key of a model's cold context."""
-    return f"{name} (cold)"
+    def fit_host_kv(self) -> list[str]: ...
 
 
 def read_cpu() -> tuple[tuple[int, ...], int]:
@@ -89,7 +94,7 @@ def warmup_prompt(index: int) -> str:
 class AdaptiveLoop:
     """Samples, decides and applies for every model of ``daemon`` (module docstring). Event loop only."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Owner) -> None:
         self.daemon = daemon
         self.cores = usable_cores()
         self.cpu: CpuShare | None = None
@@ -351,8 +356,6 @@ class AdaptiveLoop:
     def _installed(self, model: Model, wanted: Tuning, nbytes: int, parked: list[Conversation]) -> None:
         """The context built for ``wanted`` is live: its ledger key takes the temporary key's bytes."""
         ledger = self.daemon.ledger
-        from appliance.daemon.core import context_key
-
         ledger.release(context_key(model.key))
         if nbytes:
             ledger.rename(next_key(model.key), context_key(model.key))

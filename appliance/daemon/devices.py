@@ -10,6 +10,7 @@ Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ from typing import Literal, Protocol
 import pynvml
 
 from appliance.config.schema import parse_size
+from appliance.daemon import hostkv
 from appliance.daemon.ledger import MAX_BYTES
 from appliance.errors import ApplianceError
 
@@ -48,6 +50,24 @@ class MemoryDevice(Protocol):
     def read(self) -> DeviceReading: ...
 
     def close(self) -> None: ...
+
+
+def process_bytes(reading: DeviceReading) -> int:
+    """This process's footprint on the device, or its RSS when the device cannot tell."""
+    if reading.process_used is not None:
+        return reading.process_used
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def physical_memory() -> int:
+    """Physical RAM in bytes: ``MemTotal`` of ``/proc/meminfo``, else ``sysconf``."""
+    with contextlib.suppress(OSError):
+        with open("/proc/meminfo") as fh:
+            total = hostkv.meminfo_total(fh.read())
+        if total is not None:
+            return total
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # -- NVML ---------------------------------------------------------------------------------------------------

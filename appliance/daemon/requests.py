@@ -1,67 +1,444 @@
-"""The request log: one :class:`RequestRecord` per generation request on any surface, the last :data:`KEEP` kept
-for the admin page's recent requests and tokens/s, and handed to observers (the metrics). Pure."""
+"""Requests and the step loop: the Daemon's part that runs every generation (SPEC L9, L10), stateful
+(:meth:`Requests.decode`) or stateless (:meth:`Requests.complete`), counts a prompt's tokens and embeds texts.
+
+The live context's ``engine.live_slots`` sequences hold its agents' conversations, decoded together by the model's
+step loop (:meth:`Requests._steps`); a request that finds them all busy waits its turn
+(:class:`~appliance.daemon.admission.Admission`), and a suspended agent's KV state waits in host RAM, within
+``host_kv_budget`` (:meth:`Requests._fit_host_kv`, policy: :mod:`appliance.daemon.hostkv`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import collections
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+import contextlib
+import contextvars
+import functools
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, cast
 
-KEEP = 200
+from appliance.daemon import hostkv, policy
+from appliance.daemon.base import DaemonBase, finish, log
+from appliance.daemon.devices import process_bytes
+from appliance.daemon.model import (
+    Agent,
+    DecodeResult,
+    Model,
+    buffer_bytes,
+    cold_key,
+    context_key,
+    embedding_key,
+    forget_parked,
+    next_key,
+)
+from appliance.engine import gguf_meta
+from appliance.engine.embedding import Embeddings, context_size
+from appliance.engine.interface import GREEDY, Conversation, Generation, PromptText, Sampling, Token
+from appliance.engine.prompts import PromptVocabulary, tokenize_prompt
+from appliance.engine.slots import ColdNeeded
+from appliance.engine.worker import DEFAULT_QUEUE
+from appliance.errors import ApplianceError
 
-Surface = Literal["magn", "lines", "openai", "responses", "anthropic"]
-"""Who asked: a socket protocol, or an HTTP API (OpenAI chat and completions, OpenAI Responses, Anthropic Messages)."""
-Outcome = Literal["ok", "error", "cancelled"]
+ACCEPTED: contextvars.ContextVar[bool] = contextvars.ContextVar("appliance_accepted", default=False)
+"""Set while a task runs inside :meth:`Requests.accepting`."""
+
+STEPS_AHEAD = 2
+"""Step jobs a model keeps queued on the engine thread while its requests are in flight (the one running, the
+next)."""
+
+WAIT_TURN = object()
+"""What a request's start returns when others already wait for a sequence of its model (it queues behind them)."""
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    at: float  # wall-clock time the request ended
-    surface: Surface
-    model: str
-    agent: str | None  # None: a stateless request
-    prompt_tokens: int  # the prompt's tokens evaluated by this request
-    generated_tokens: int
-    ttft_s: float | None  # time to the first token (None: none was generated)
-    elapsed_s: float  # the whole request, as the surface saw it (queueing included)
-    outcome: Outcome
-    error: str | None = None  # the P4 code of a failed request
-    stop_reason: str | None = None
-    plan: str | None = None  # the plan of the context it ran in (S, M, L, fixed; None: it never ran)
+class Requests(DaemonBase):
+    """Requests and the step loop of a :class:`~appliance.daemon.core.Daemon` (module docstring)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    async def decode(self, agent_id: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
+                     on_token: Callable[[Token], None] | None = None,
+                     cancel: threading.Event | None = None) -> DecodeResult:
+        with self.accepting():
+            agent = self.agent(agent_id)
+            async with agent.lock:
+                if self.agents.get(agent_id) is not agent:
+                    raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
+                agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
+                try:
+                    return await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
+                                           on_token, cancel, queue=("agent", agent_id))
+                finally:
+                    agent.last_used = self.clock()
 
+    async def complete(self, ref: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
+                       on_token: Callable[[Token], None] | None = None,
+                       cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
+        """A stateless request (HTTP, MAGN without a session): a fresh conversation every time. ``queue`` is the
+        engine queue it waits in (its connection; default: one queue for the model's stateless requests)."""
+        with self.accepting():
+            model = self.resolve(ref)
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
+                                       ephemeral=True, queue=("stateless", model.key) if queue is None else queue)
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
 
-Observer = Callable[[RequestRecord], None]
+    async def count(self, ref: str, prompt: PromptText) -> int:
+        """The tokens ``prompt`` is on model ``ref``'s vocabulary, its BOS token included (what a generation of it
+        counts as ``prompt_tokens``; nothing is generated): loaded if need be and counted in flight meanwhile (the
+        idle sweep leaves it), tokenized on the engine thread (where a model is unloaded)."""
+        with self.accepting():
+            model = self.resolve(ref)
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                return int(await self.engine.call(self._count, model, prompt, queue=("count", model.key)))
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
 
+    def _count(self, model: Model, prompt: PromptText) -> int:
+        """``prompt``'s tokens on ``model``'s loaded vocabulary (engine thread)."""
+        runtime = model.runtime
+        if runtime is None:
+            raise ApplianceError("MODEL_BUSY", f"model {model.key!r} was unloaded while its tokens were counted",
+                                 {"model": model.key})
+        return len(tokenize_prompt(cast(PromptVocabulary, runtime), prompt, bos=True))
 
-class RequestLog:
-    """The last :data:`KEEP` request records, oldest first, and the observers told of each new one."""
+    async def embed(self, ref: str, inputs: Sequence[str | Sequence[int]],
+                    dimensions: int | None = None) -> Embeddings:
+        """The embeddings of ``inputs`` (texts or token ids; ``dimensions``, if given, the model's) from the model
+        ``ref``, which must have
+        ``models[].embeddings: true`` (else ``BAD_REQUEST`` naming the setting): loaded if need be, its
+        embeddings context opened at its first such request (:meth:`_open_embeddings`)."""
+        with self.accepting():
+            model = self.resolve(ref)
+            if not model.spec.embeddings:
+                raise ApplianceError("BAD_REQUEST", f"model {model.key!r} does not serve embeddings: set "
+                                                    "models[].embeddings: true for it in appliance.yaml",
+                                     {"param": "model", "model": model.key, "setting": "models[].embeddings"})
+            model.inflight += 1
+            try:
+                await self.acquire(model)
+                runtime = await self._open_embeddings(model)
+                return await self.engine.call(runtime.embed, inputs, dimensions,
+                                             queue=("embeddings", model.key))
+            finally:
+                model.inflight -= 1
+                model.last_used = self.clock()
+                if policy.unload_retired(model.view()):
+                    self._settle_retired(model)
 
-    def __init__(self, keep: int = KEEP) -> None:
-        self._records: collections.deque[RequestRecord] = collections.deque(maxlen=keep)
-        self.observers: list[Observer] = []
+    async def _open_embeddings(self, model: Model) -> Any:
+        """``model``'s runtime with its embeddings context open: built once, its estimate (KV cache and compute
+        margin for :func:`~appliance.engine.embedding.context_size` cells) admitted under :func:`embedding_key`
+        first (``VRAM_LEDGER_DENY`` when it does not fit)."""
+        async with model.lock:
+            runtime = model.runtime
+            if runtime is None:
+                raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+            if runtime.has_embeddings:
+                return runtime
+            shape = await asyncio.to_thread(gguf_meta.read_model_shape, model.path)
+            table = gguf_meta.estimate(shape, context_size(model.spec.n_ctx), model.spec.cache_type)
+            with self.ledger.reservation(embedding_key(model.key), table.kv + table.compute) as pending:
+                await finish(asyncio.ensure_future(self.engine.call(runtime.open_embeddings)))
+                pending.commit()
+            log.info("model %s: embeddings context built (%d bytes in the ledger)", model.key,
+                     table.kv + table.compute)
+            self._changed()
+            return runtime
 
-    def add(self, record: RequestRecord) -> None:
-        self._records.append(record)
-        for observer in list(self.observers):
-            observer(record)
+    @contextlib.contextmanager
+    def accepting(self) -> Iterator[None]:
+        """One client request from its arrival to its answer (:meth:`decode`, :meth:`complete`; a surface whose one
+        request registers an agent and then decodes, as an OpenAI chat with ``user``, wraps both): refused with
+        SHUTTING_DOWN once a graceful stop began, else counted in :attr:`accepted` until it ends, so that the
+        stop's grace covers it while it waits for its model to load, for its agent or for a sequence. Nested
+        ones (in the same task) are the outer one."""
+        if ACCEPTED.get():
+            yield
+            return
+        if self.closing:
+            raise ApplianceError("SHUTTING_DOWN")
+        self.accepted += 1
+        mark = ACCEPTED.set(True)
+        try:
+            yield
+        finally:
+            ACCEPTED.reset(mark)
+            self.accepted -= 1
 
-    def recent(self, n: int = 20) -> list[RequestRecord]:
-        """The ``n`` most recent records, newest first."""
-        records = list(self._records)
-        records.reverse()
-        return records[:n]
+    async def _run(self, model: Model, conv: Conversation, agent: Agent | None, n_tokens: int,
+                   prompt: PromptText, sampling: Sampling, on_token: Callable[[Token], None] | None,
+                   cancel: threading.Event | None, ephemeral: bool = False,
+                   queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
+        """Generate in the model's live context: claim the context (SPEC L8), start the request on the engine
+        thread (``queue`` is the engine queue it waits in: an agent's decodes, a connection's stateless requests)
+        once a sequence is free for it, then let the model's step loop decode it together with the others
+        (SPEC L9) until it ends. The start reads the model's runtime when it runs: a reload queued before it may
+        have replaced the runtime. Accepted before a graceful stop began, it still runs until the grace is over."""
+        if self.grace_over:
+            raise ApplianceError("SHUTTING_DOWN")
+        if model.runtime is None:
+            raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+        agent_id = None if agent is None else agent.id
+        cancel = cancel or threading.Event()
+        owner = {id(a.conversation): a.id for a in self.agents.values()}
+        dropped: list[str] = []
+        moved = {"swap_bytes": 0, "restore_bytes": 0, "seconds": 0.0}  # this request's KV swap (metrics)
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[Any] = loop.create_future()
+        rebuilt = False
 
-    def tokens_per_second(self, now: float, window_s: float = 60.0) -> float:
-        """Generated tokens per second over the last ``window_s`` seconds (records that ended in it)."""
-        tokens = 0
-        for record in self._records:
-            if now - record.at <= window_s:
-                tokens += record.generated_tokens
-        return tokens / window_s
+        def on_done(request: Any) -> None:  # engine thread
+            self.decoding -= 1
+            loop.call_soon_threadsafe(self._request_ended, model, ended, request)
 
-    def __len__(self) -> int:
-        return len(self._records)
+        def start(queued: bool, cold: bool = False) -> Any:
+            nonlocal rebuilt
+            if not queued and not cold and model.admission.waiting:  # others wait for a sequence: not before them
+                return WAIT_TURN
+            runtime = model.runtime
+            if runtime is None:
+                raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+            # The agents as they are now, not at submit time: the engine may have served other queues first.
+            # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
+            agents = list(self.agents.copy().values())
+            rebuilt = conv.where != "device" and bool(conv.tokens)  # unless its state comes back (below)
+            restoring = conv.nbytes if conv.where == "host" else 0
+            started = time.perf_counter()
+
+            def before_park(parking: Conversation) -> None:  # make room in host RAM for the state it parks
+                reserve = hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
+                                                 buffer_bytes(parking))
+                dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
+
+            request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
+                                    on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
+            if request is None or isinstance(request, ColdNeeded):
+                return request
+            if request.evicted or request.restored:
+                moved["seconds"] += time.perf_counter() - started
+                moved["swap_bytes"] += sum(parked.nbytes for parked in request.evicted)
+                moved["restore_bytes"] += restoring if request.restored else 0
+            for parked in request.evicted:
+                ratio = hostkv.per_token(parked.nbytes, parked.n_evaluated)
+                model.kv_bytes_per_token = max(model.kv_bytes_per_token, ratio)
+            dropped.extend(self._fit_host_kv(agents))
+            self.decoding += 1
+            return request
+
+        model.inflight += 1
+        self._running.add(cancel)
+        request: Any = None
+        try:
+            await model.serving.wait()  # a reload swapping the runtime
+        except BaseException:
+            self._running.discard(cancel)
+            model.inflight -= 1
+            raise
+        model.active += 1
+        cold_held = False
+        try:
+            parked = await self._open_context(model)
+            if model.pending is not None:
+                await self.adaptive.apply_pending(model)
+            request = await self._admit(model, start, queue)
+            if isinstance(request, ColdNeeded):  # longer than the hot pool: a cold context of its own (SPEC E2)
+                needed = request
+                request = None
+                await model.cold_lock.acquire()
+                cold_held = True
+                await self.adaptive.open_cold(model, needed.cells)
+                request = await self._admit(model, functools.partial(start, cold=True), ("cold", model.key))
+            self._drive(model)
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            # Stop at the next step (a start that ran while its caller went away is reaped there too); wait for a
+            # request we know of, so that nothing is left running (R3).
+            cancel.set()
+            self._drive(model)
+            if request is not None:
+                with contextlib.suppress(Exception):
+                    await ended
+            raise
+        finally:
+            fitted = None
+            if cold_held:
+                if request is None or request.done:  # else its step frees the cold context: released just below
+                    fitted = self.adaptive.close_cold(model)
+                model.cold_lock.release()
+            self._running.discard(cancel)
+            model.inflight -= 1
+            model.active -= 1
+            if model.active == 0:
+                self._context_idle()
+            model.last_used = self.clock()
+            if fitted is not None:  # the parked cold conversation fits the host budget before the reply
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(fitted)
+            self.counters["host_kv_drops"] += len(dropped)
+            self.counters["kv_swap_bytes"] += int(moved["swap_bytes"])
+            self.counters["kv_restore_bytes"] += int(moved["restore_bytes"])
+            self.kv_swap_seconds += moved["seconds"]
+        if request.error is not None:
+            raise request.error
+        generation: Generation = request.generation
+        evicted_convs = [*parked, *request.evicted]
+        evicted = None
+        if evicted_convs:
+            evicted = owner.get(id(evicted_convs[0]), "~anonymous")
+        rebuilt = rebuilt and not request.restored  # re-evaluated, or shared from a live conversation (L10)
+        notice = None
+        if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
+            notice, agent.notice = agent.notice, None
+        result = DecodeResult(agent_id, model.key, generation, evicted, request.restored, rebuilt, tuple(dropped),
+                              notice, request.plan, request.threads, request.memory_bytes)
+        self.counters["decodes"] += 1
+        self.counters["host_kv_rebuilds"] += result.rebuilt
+        self.counters["tokens"] += generation.generated_tokens
+        self.counters["kv_swaps"] += len(evicted_convs)
+        self.counters["kv_restores"] += result.restored
+        if model.measured is None:
+            model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
+        return result
+
+    async def _admit(self, model: Model, start: Callable[[bool], Any], queue: Hashable) -> Any:
+        """Start a request (``start`` on the engine thread). While sequences are free every request starts at once
+        (the engine serves its queues in turn, so requests arriving together join the same step). A request that
+        finds every sequence busy, or others already waiting, waits its turn (:class:`~appliance.daemon.admission.
+        Admission`: round-robin over the engine queues, so a client keeping every sequence busy cannot starve
+        another); the one whose turn it is retries each time a request ends."""
+        ticket = object()
+        queued = False
+        try:
+            while True:
+                seen = model.ended
+                if not queued or model.admission.head() is ticket:
+                    request = await finish(self.engine.submit(functools.partial(start, queued), queue=queue))
+                    if request is not None and request is not WAIT_TURN:
+                        return request
+                    if not queued:
+                        model.admission.join(queue, ticket)
+                        queued = True
+                        if request is WAIT_TURN:
+                            continue  # it never tried: try in its turn, which may be now
+                if model.ended == seen or model.admission.head() is not ticket:
+                    waiter = asyncio.get_running_loop().create_future()
+                    model.waiters.append(waiter)
+                    await waiter
+        finally:
+            if queued:
+                model.admission.leave(queue, ticket)
+                self._wake(model)
+
+    def model_bytes(self, model: Model) -> int:
+        """The ledger bytes ``model`` holds now: weights, live context, a context being prepared, a cold one."""
+        held = self.ledger.reservations()
+        return sum(held.get(key, 0) for key in (model.key, context_key(model.key), next_key(model.key),
+                                                cold_key(model.key), embedding_key(model.key)))
+
+    def _wake(self, model: Model) -> None:
+        waiters, model.waiters = model.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _request_ended(self, model: Model, ended: asyncio.Future[Any], request: Any) -> None:
+        """A request of ``model`` ended on the engine thread (now on the loop): its caller wakes, and so does
+        every request waiting for a free sequence of the model."""
+        model.ended += 1
+        request.memory_bytes = self.model_bytes(model)  # the pool cannot change while it runs: its peak
+        if not ended.done():
+            ended.set_result(request)
+        self._wake(model)
+        self.adaptive.observe(model, request)
+
+    def _drive(self, model: Model) -> None:
+        """Make sure the model's step loop runs (a request was just started)."""
+        if model.stepper is None or model.stepper.done():
+            model.stepper = asyncio.get_running_loop().create_task(self._steps(model))
+
+    async def _steps(self, model: Model) -> None:
+        """Step the model's live context while requests are in flight: one engine job per step, in its own engine
+        queue, so that other work (new requests joining, other models' steps, loads) runs between two steps. The
+        next step is queued before this one ends, so the engine thread never waits for the event loop (busy with
+        the streams) to ask for it; a step with nothing to do returns at once."""
+        queued: collections.deque[Any] = collections.deque()
+        try:
+            while True:
+                runtime = model.runtime
+                while runtime is not None and runtime.busy and len(queued) < STEPS_AHEAD:
+                    queued.append(self.engine.submit(runtime.step, queue=("steps", model.key)))
+                if not queued:
+                    return
+                await queued.popleft()
+        except Exception:  # a step's failure is its requests' (they ended with it); log anything else
+            log.exception("model %s: a decode step failed", model.key)
+        finally:
+            for job in queued:
+                job.cancel()
+
+    @property
+    def host_kv_budget(self) -> int:
+        """Bytes of host RAM that parked KV state may hold (``host_kv_budget``; ``auto`` = a share of RAM)."""
+        configured = self.config.host_kv_budget
+        return hostkv.auto_budget(self.physical_memory) if configured is None else configured
+
+    def fit_host_kv(self) -> list[str]:
+        """:meth:`_fit_host_kv` for every agent, after the adaptive loop parked some (engine thread)."""
+        return self._fit_host_kv(list(self.agents.copy().values()))
+
+    def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
+                     attaching: Conversation | None = None) -> list[str]:
+        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`);
+        returns the agents whose parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the
+        ``parking`` conversation (its own buffer counts in them), and the ``attaching`` one goes last. Runs on the
+        engine thread, the only one that moves KV state, so no swap races a drop."""
+        budget = self.host_kv_budget
+        held = [state for state in (agent.held() for agent in agents if agent.conversation is not parking)
+                if state is not None]
+        by_id = {agent.id: agent for agent in agents}
+        last = frozenset(agent.id for agent in agents if agent.conversation is attaching)
+        dropped: list[str] = []
+        for key in hostkv.to_drop(held, max(0, budget - reserve), last):
+            conv = by_id[key].conversation
+            nbytes = buffer_bytes(conv)
+            if conv.where != "host":
+                conv.buffer = None  # a live conversation's reuse buffer: nothing is lost
+                continue
+            forget_parked(conv)
+            dropped.append(key)
+            log.info("host KV: dropped agent %s's parked state (%d bytes; budget %d bytes, %d held before): "
+                     "its next decode re-evaluates its %d tokens", key, nbytes, budget, hostkv.held_bytes(held),
+                     len(conv.tokens))
+        return dropped
+
+    def host_kv(self) -> dict[str, int]:
+        """Host RAM held for KV state, next to the device ledger (STATUS, health)."""
+        convs = [agent.conversation for agent in self.agents.values()]
+        return {"budget_bytes": self.host_kv_budget,
+                "parked_bytes": sum(buffer_bytes(conv) for conv in convs),
+                "parked_agents": sum(conv.where == "host" for conv in convs),
+                "drops": self.counters["host_kv_drops"], "rebuilds": self.counters["host_kv_rebuilds"]}
+
+    @property
+    def generating(self) -> int:
+        """Generations on the engine now (queued or running): what a graceful stop waits for."""
+        return len(self._running)
+
+    def cancel_running(self) -> None:
+        """End the grace: stop every running generation at its next token (SHUTTING_DOWN for its client while
+        ``closing``); an accepted request that has not started yet (its model still loading) gets SHUTTING_DOWN
+        when it would start."""
+        self.grace_over = True
+        for cancel in list(self._running):
+            cancel.set()

@@ -8,7 +8,7 @@ one, so several appliances in one process do not clash), kept per daemon so that
 * :class:`DaemonCollector` reads the daemon's figures when scraped (``snapshot()``, ``counters``, the ledger, host
   KV, the engine's queue, the reload record): gauges and counters that cost nothing between scrapes;
 * the per-request counters and the latency and time-to-first-token histograms are fed by an observer of
-  ``daemon.requests`` (one :class:`~appliance.daemon.requests.RequestRecord` per generation, every surface).
+  ``daemon.requests`` (one :class:`~appliance.daemon.requestlog.RequestRecord` per generation, every surface).
 
 Also the gauges of the Kubernetes Gateway API Inference Extension's model-server protocol (requests waiting,
 requests running, KV-cache utilization as a 0-1 fraction), so that its endpoint picker can route to appliances.
@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
-from appliance.daemon.requests import RequestRecord
+from appliance.daemon.requestlog import RequestRecord
 
 if TYPE_CHECKING:
     from appliance.app import Appliance

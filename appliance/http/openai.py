@@ -47,8 +47,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from appliance.daemon.core import Agent, Daemon, DecodeResult, FileIdentity, file_identity
-from appliance.daemon.requests import Surface
+from appliance.daemon.core import Daemon
+from appliance.daemon.model import Agent, DecodeResult, FileIdentity, file_identity
+from appliance.daemon.requestlog import Surface
 from appliance.engine import reasoning, toolcalls
 from appliance.engine.chat import ChatTemplate, read_chat_template, render_prompt
 from appliance.engine.interface import Generation, Grammar, Prompt, PromptText, Token, TokenLogprobs

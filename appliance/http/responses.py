@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from appliance.daemon.core import Agent, Daemon
+from appliance.daemon.core import Daemon
+from appliance.daemon.model import Agent
 from appliance.engine import toolcalls
 from appliance.engine.chat import Message
 from appliance.engine.interface import Token

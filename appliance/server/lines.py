@@ -13,7 +13,8 @@ import threading
 from typing import Any
 
 from appliance.config import tune
-from appliance.daemon.core import Daemon, DecodeResult
+from appliance.daemon.core import Daemon
+from appliance.daemon.model import DecodeResult
 from appliance.engine.interface import GREEDY
 from appliance.errors import ApplianceError
 from appliance.protocol import lines, paging

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from appliance import __version__
-from appliance.daemon.core import Agent, Daemon, DecodeResult, FileIdentity, file_identity
+from appliance.daemon.core import Daemon
+from appliance.daemon.model import Agent, DecodeResult, FileIdentity, file_identity
 from appliance.engine import toolcalls
 from appliance.engine.chat import ChatTemplate, Message, read_chat_template, render_prompt
 from appliance.engine.interface import Grammar, PromptText, Sampling, Token

@@ -19,8 +19,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-from appliance.daemon.core import Daemon, DecodeResult
-from appliance.daemon.requests import Outcome, RequestRecord, Surface
+from appliance.daemon.core import Daemon
+from appliance.daemon.model import DecodeResult
+from appliance.daemon.requestlog import Outcome, RequestRecord, Surface
 from appliance.engine.interface import Generation, PromptText, Sampling, Token
 from appliance.errors import ApplianceError, internal
 

@@ -18,7 +18,8 @@ from appliance.protocol import paging
 from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 
 if TYPE_CHECKING:
-    from appliance.daemon.core import Daemon, Model
+    from appliance.daemon.core import Daemon
+    from appliance.daemon.model import Model
 
 MAX_MODEL_CHARS = 1024
 """A model name, or a GGUF path inside the model directories."""

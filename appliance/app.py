@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,10 @@ from appliance.benchmark.jobs import BenchmarkJob
 from appliance.config import secrets as secret_settings
 from appliance.config import tune
 from appliance.config.validate import Config, load_config
-from appliance.daemon import policy, registry
+from appliance.daemon import policy, registry, store
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import MemoryDevice, open_device
+from appliance.daemon.diskkv import DiskTier
 from appliance.daemon.statefiles import StateFiles
 from appliance.engine.adaptive import Tuner
 from appliance.engine.interface import EngineProtocol
@@ -323,6 +325,7 @@ class Appliance:
         self.daemon.reports["config"] = self.config_report
         self.daemon.reports["reload"] = self.reload_history
         self.daemon.reports["state_files"] = self.state_files.report
+        await self._open_store(self.daemon)
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)
         self.socket_server = SocketServer(self.daemon, config.socket.path, mode=config.socket.mode,
@@ -353,6 +356,39 @@ class Appliance:
         log.info("appliance %s started (pid %d): socket %s, http %s, device %s, state %s, config %s", self.version,
                  os.getpid(), config.socket.path, self.http_url, self.daemon.reading.name, config.data_dir,
                  self.config_path or "(not watched)")
+
+    async def _open_store(self, daemon: Daemon) -> None:
+        """Open the agents' store and the disk tier of KV state under ``data_dir`` and bring the stored agents back
+        (dormant: :mod:`appliance.daemon.durable`). A store that fails its integrity check is moved aside and a new one
+        begun. One that cannot be opened at all (a new store on a full or read-only state folder) restores nothing:
+        the appliance serves, health says ``degraded``, and the writer opens it once the folder takes writes."""
+        config = self.config
+        path = config.data_dir / store.FILE_NAME
+        agents_store = None
+        aside = None
+        records: list[store.AgentRecord] = []
+        responses: list[store.ResponseRecord] = []
+        try:
+            agents_store, aside = await asyncio.to_thread(store.AgentStore.open, path)
+            records = await asyncio.to_thread(agents_store.load_agents)
+            responses = await asyncio.to_thread(agents_store.load_responses)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("cannot open the agents store %s (%s): no agent is restored; it is opened once the state "
+                      "folder takes writes", path, exc)
+            failure = exc
+        writer = store.StoreWriter(agents_store, path=path)  # without a store: it retries opening it
+        writer.moved_aside = aside
+        if agents_store is None:  # degraded until the writer opens it
+            writer.problem = store.StoreProblem(store.error_name(failure), f"cannot open the store: {failure}",
+                                                time.time(), 1)
+        disk = None
+        if config.disk_kv_budget != 0:
+            disk = await asyncio.to_thread(DiskTier, config.data_dir / "kv", config.disk_kv_budget)
+        daemon.attach_durability(writer, disk)
+        daemon.restore(records, responses)
+        daemon.reports["store"] = writer.report
+        if disk is not None:
+            daemon.reports["disk_kv"] = disk.report
 
     async def _serve_http(self, server: HttpServer) -> None:
         """Run ``server`` in a task and wait until it accepts."""
@@ -407,6 +443,8 @@ class Appliance:
             await asyncio.sleep(sweep_period(self.config))
             try:
                 await self.daemon.sweep_idle()
+                if self.daemon.disk is not None:
+                    await asyncio.to_thread(self.daemon.disk.probe)
             except Exception:
                 log.exception("idle sweep failed")
 
@@ -695,6 +733,7 @@ class Appliance:
         if self._stopped:
             return
         self._stopped = True
+        deadline = time.monotonic() + self.config.shutdown_grace_s  # the drain, then the agents' write-out
         log.info("appliance stopping (%s)", self.stop_reason)
         self.notifier.stopping(f"stopping: {self.stop_reason}")
         await self.benchmark_job.stop()
@@ -725,7 +764,7 @@ class Appliance:
         self._tasks.clear()
         self._http_tasks.clear()
         if self.daemon is not None:
-            await self.daemon.close()
+            await self.daemon.close(deadline=deadline)
         self.state_files.close()  # no retry writes the registry once it is removed
         if self._wrote_registry:
             with contextlib.suppress(FileNotFoundError):

@@ -455,6 +455,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Host RAM for parked agents' KV state; `auto` = a quarter of physical RAM.",
     ),
     Setting(
+        "disk_kv_budget", VRAM, "auto",
+        "Disk for parked agents' KV state under data_dir/kv/ (past host_kv_budget, and at a graceful stop); "
+        "`auto` = a quarter of the free space at start; 0 = off.",
+        live=False,
+    ),
+    Setting(
         "agent_idle_ttl_s", FLOAT, 86400,
         "Unregister an agent that has not decoded for this long (default: a day); 0 = never.",
         minimum=0, maximum=31536000,

@@ -90,6 +90,7 @@ class Config:
     log_level: str
     max_tasks_per_connection: int
     host_kv_budget: int | None  # None = auto (a quarter of physical RAM)
+    disk_kv_budget: int | None  # None = auto (a quarter of the state folder's free space at start); 0 = off
     agent_idle_ttl_s: float  # 0 = agents never expire
     max_agents: int
     shutdown_grace_s: float  # SIGTERM: how long running requests may still take

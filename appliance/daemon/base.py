@@ -3,7 +3,8 @@
 
 The daemon is one class composed of parts, one module each: models and agents (:mod:`appliance.daemon.core`, the
 ``Daemon`` itself), requests and the step loop (:mod:`appliance.daemon.requests`), the live-context budget
-(:mod:`appliance.daemon.contexts`), hot reload and retirement (:mod:`appliance.daemon.reload`). Each part is a
+(:mod:`appliance.daemon.contexts`), hot reload and retirement (:mod:`appliance.daemon.reload`), durable agents
+(:mod:`appliance.daemon.durable`). Each part is a
 :class:`DaemonBase`; core imports the parts, never the reverse. They all log as ``appliance.daemon.core``.
 """
 
@@ -101,6 +102,17 @@ class DaemonBase:
         async def _open_context(self, model: Model) -> list[Conversation]: ...
 
         def _context_idle(self) -> None: ...
+
+        async def _free_context(self, model: Model) -> list[Conversation]: ...
+
+        # durable agents (durable.py)
+        async def rouse(self, agent: Agent) -> None: ...
+
+        async def commit_agent(self, agent: Agent) -> bool: ...
+
+        def spill(self, agent: Agent) -> bool: ...
+
+        def unspill(self, agent: Agent) -> bool: ...
 
         # hot reload and retirement (reload.py)
         def _settle_retired(self, model: Model) -> None: ...

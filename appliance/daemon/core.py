@@ -34,6 +34,7 @@ from appliance.daemon.adaptive import AdaptiveLoop
 from appliance.daemon.base import log_load_failure
 from appliance.daemon.contexts import LiveContexts
 from appliance.daemon.devices import DeviceReading, MemoryDevice, physical_memory, process_bytes
+from appliance.daemon.durable import RESTORED_FROM, Durable, durable
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.daemon.model import (
     Agent,
@@ -60,7 +61,7 @@ from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem
 log = logging.getLogger(__name__)
 
 
-class Daemon(Requests, LiveContexts, HotReload):
+class Daemon(Requests, LiveContexts, HotReload, Durable):
     """The one owner of the daemon's state; every surface calls it on the event loop.
 
     It owns: the VRAM :class:`Ledger` (its cap re-based on each :meth:`resync` of ``device``), the :class:`Model` s
@@ -75,7 +76,7 @@ class Daemon(Requests, LiveContexts, HotReload):
     """
 
     def __init__(self, config: Config, device: MemoryDevice, engine: EngineProtocol | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.device = device
         if engine is None:
@@ -84,6 +85,10 @@ class Daemon(Requests, LiveContexts, HotReload):
             engine = Engine(config.engine.threads or None)
         self.engine: EngineProtocol = engine
         self.clock = clock
+        self.wall = wall  # wall-clock time: what the agents' store keeps (it counts across restarts)
+        self.store = None  # the agents' store and the disk tier of KV state (attach_durability; None: not kept)
+        self.disk = None
+        self.stored_responses = {}
         self.models: dict[str, Model] = {}
         self.agents: dict[str, Agent] = {}
         self._claimed: set[str] = set()
@@ -94,7 +99,8 @@ class Daemon(Requests, LiveContexts, HotReload):
         self.counters: dict[str, int] = {"kv_swaps": 0, "kv_restores": 0, "decodes": 0, "tokens": 0,
                                          "denials": 0, "host_kv_drops": 0, "host_kv_rebuilds": 0,
                                          "agents_expired": 0, "reloads": 0, "kv_swap_bytes": 0,
-                                         "kv_restore_bytes": 0}
+                                         "kv_restore_bytes": 0, "disk_kv_spills": 0,
+                                         **{f"restored_from_{where}": 0 for where in RESTORED_FROM}}
         self.kv_swap_seconds = 0.0  # engine time in KV swaps: parking live states and restoring the decoding one
         self.decoding = 0  # generations running on the engine thread now (written by that thread only)
         self.errors: collections.Counter[tuple[str, str]] = collections.Counter()  # P4 errors sent: (surface, code)
@@ -227,7 +233,9 @@ class Daemon(Requests, LiveContexts, HotReload):
 
     def _load(self, model: Model) -> RuntimeProtocol:
         model.baseline = process_bytes(self.device.read())
-        return self._engine_load(model, model.spec)
+        runtime = self._engine_load(model, model.spec)
+        model.vocabulary = runtime.vocabulary()  # what a stored agent's tokens are checked with after a restart
+        return runtime
 
     def _engine_load(self, model: Model, spec: ModelConfig) -> RuntimeProtocol:
         return self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
@@ -336,9 +344,11 @@ class Daemon(Requests, LiveContexts, HotReload):
                 self._settle_retired(model)
                 raise ApplianceError("UNKNOWN_MODEL", f"model {model.key!r} was removed from the config",
                                      {"model": model.key, "known": [m.name for m in self.config.models]})
-            agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner, last_used=self.clock())
+            agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner, last_used=self.clock(),
+                                                  created=self.wall())
             log.info("agent %s registered on model %s%s", agent_id, model.key,
                      "" if owner is None else " (owned by its connection)")
+            await self.commit_agent(agent)  # before the reply: a restart brings it back
             return agent
         finally:
             self._claimed.discard(agent_id)
@@ -354,8 +364,11 @@ class Daemon(Requests, LiveContexts, HotReload):
         """Unregister ``agent``, whose lock the caller holds; a model's last agent unloads it (L4)."""
         del self.agents[agent.id]
         model = agent.model
-        model.refcount -= 1
         log.info("agent %s unregistered (%s)", agent.id, reason)
+        await self.forget_agent(agent)
+        if agent.dormant:  # restored and never decoded since: it holds no model
+            return
+        model.refcount -= 1
         await self.engine.call(self._detach, model, agent.conversation)
         await self.unload(model, policy.unload_on_release, reason="last agent left")
         self._forget_retired(model)
@@ -388,18 +401,28 @@ class Daemon(Requests, LiveContexts, HotReload):
         self.ledger.set_cap(compute_cap(reading.total, self.config.admission_percent, self.external))
         return reading
 
-    async def close(self) -> None:
-        """Refuse new work, stop running generations at their next token, unload every model, then close the
-        engine and the device."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Refuse new work, stop running generations at their next token, write the durable agents' KV state to
+        disk and commit them until ``deadline`` (``time.monotonic()``; None: no write-out), unload every model, then
+        close the store, the engine and the device."""
         self.closing = True
         self.cancel_running()
         await self.adaptive.close()
         await self.settle()
+        if deadline is not None:
+            try:
+                await self.write_out(deadline)
+            except Exception:
+                log.exception("stop: writing the agents out failed: they re-evaluate their tokens after a restart")
         for model in list(self.models.values()):
             await self.unload(model, reason="shutdown")
         if self.agents:
-            log.info("%d agents dropped at shutdown", len(self.agents))
+            kept = sum(durable(agent) for agent in self.agents.values()) if self.store is not None else 0
+            log.info("%d agents dropped at shutdown%s", len(self.agents) - kept,
+                     f", {kept} kept in the agents store for the next start" if kept else "")
         self.agents.clear()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
         self.engine.close()
         self.device.close()
 
@@ -432,7 +455,8 @@ class Daemon(Requests, LiveContexts, HotReload):
                    "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired} for m in self.models.values()]
         agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),
                    "state": a.conversation.where, "state_bytes": a.conversation.nbytes,
-                   "kv_cells": a.conversation.n_evaluated}
+                   "kv_cells": a.conversation.n_evaluated, "kv_restored_from": a.restored_from,
+                   "dormant": a.dormant}
                   for a in self.agents.values()]
         return {"device": {"name": reading.name, "kind": reading.kind, "total_bytes": reading.total,
                            "used_bytes": reading.used, "free_bytes": reading.free,

@@ -58,6 +58,7 @@ class Model:
     pending: Tuning | None = None  # a tuning its next request applies inline (engine.async_switch: false)
     cold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one cold context at a time
     cold_bytes: int = 0  # the ledger figure of its cold context while one exists
+    vocabulary: str = ""  # the loaded runtime's vocabulary digest (what a stored agent's tokens are checked with)
 
     @property
     def key(self) -> str:
@@ -84,6 +85,11 @@ class Agent:
     owner: object | None = None  # a connection that owns this agent (MAGN sessions); None = until UNREGISTER
     last_used: float = 0.0  # when it registered or last decoded (agent_idle_ttl_s, host KV drop order)
     notice: str | None = None  # said once, by its next decode result (its model was reloaded: conversation reset)
+    created: float = 0.0  # wall-clock time of its registration (kept across restarts)
+    dormant: bool = False  # restored at start-up: holds no model (no refcount) until its first decode loads it
+    model_file: str = ""  # restored: the identity of the model file its tokens were made with
+    vocabulary: str = ""  # restored: that model's vocabulary digest
+    restored_from: str = "none"  # where its last decode found its KV state (appliance.daemon.durable.RestoredFrom)
 
     def view(self) -> policy.AgentView:
         return policy.AgentView(self.id, self.last_used, self.lock.locked())
@@ -109,6 +115,7 @@ class DecodeResult:
     plan: str = ""  # the plan of the context it ran in (S, M, L or fixed; L for a cold context)
     threads: int = 0  # the threads that context decoded with
     peak_memory_bytes: int = 0  # the ledger bytes of the model (weights, live and cold contexts) while it ran
+    restored_from: str = "none"  # where its KV state came from: none, device, host, disk or tokens (durable.py)
 
 
 FileIdentity = tuple[int, int, int, int]

@@ -222,6 +222,7 @@ class HotReload(DaemonBase):
         if old is None:
             raise ApplianceError("INTERNAL", f"model {model.key!r} was unloaded during its reload")
         same_vocabulary = old.vocabulary() == runtime.vocabulary()
+        model.vocabulary = runtime.vocabulary()
         # The old weights' and context's keys take the new figures; the temporary key's bytes become the new
         # context's key (the new runtime is loaded with its context), so the bytes are never counted for neither.
         self.ledger.release(context_key(model.key))

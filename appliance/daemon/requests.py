@@ -64,11 +64,17 @@ class Requests(DaemonBase):
                 if self.agents.get(agent_id) is not agent:
                     raise ApplianceError("UNKNOWN_AGENT", f"no agent {agent_id!r}", {"agent": agent_id})
                 agent.last_used = self.clock()  # the most recently used: the last whose parked state is dropped
+                if agent.dormant:  # restored at start-up: its model loads now
+                    await self.rouse(agent)
                 try:
-                    return await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
-                                           on_token, cancel, queue=("agent", agent_id))
+                    result = await self._run(agent.model, agent.conversation, agent, n_tokens, prompt, sampling,
+                                             on_token, cancel, queue=("agent", agent_id))
                 finally:
                     agent.last_used = self.clock()
+                agent.restored_from = result.restored_from
+                if result.generation.stop_reason != "cancelled":  # a cancelled one was rolled back: nothing new
+                    await self.commit_agent(agent)  # before the reply's last line: a restart keeps this turn
+                return result
 
     async def complete(self, ref: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                        on_token: Callable[[Token], None] | None = None,
@@ -197,13 +203,15 @@ class Requests(DaemonBase):
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[Any] = loop.create_future()
         rebuilt = False
+        source: str | None = None  # where its KV state was when it first tried to start
+        from_disk = False  # its state was read back from its KV file
 
         def on_done(request: Any) -> None:  # engine thread
             self.decoding -= 1
             loop.call_soon_threadsafe(self._request_ended, model, ended, request)
 
         def start(queued: bool, cold: bool = False) -> Any:
-            nonlocal rebuilt
+            nonlocal rebuilt, source, from_disk
             if not queued and not cold and model.admission.waiting:  # others wait for a sequence: not before them
                 return WAIT_TURN
             runtime = model.runtime
@@ -212,6 +220,10 @@ class Requests(DaemonBase):
             # The agents as they are now, not at submit time: the engine may have served other queues first.
             # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
             agents = list(self.agents.copy().values())
+            if source is None:
+                source = conv.where
+            if conv.where == "disk" and agent is not None:  # the third tier: back into host RAM first
+                from_disk = self.unspill(agent)
             rebuilt = conv.where != "device" and bool(conv.tokens)  # unless its state comes back (below)
             restoring = conv.nbytes if conv.where == "host" else 0
             started = time.perf_counter()
@@ -300,8 +312,16 @@ class Requests(DaemonBase):
         notice = None
         if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
             notice, agent.notice = agent.notice, None
+        restored_from = "none"
+        if request.restored:
+            restored_from = "disk" if from_disk else "host"
+        elif source == "device":
+            restored_from = "device"
+        elif rebuilt:
+            restored_from = "tokens"
         result = DecodeResult(agent_id, model.key, generation, evicted, request.restored, rebuilt, tuple(dropped),
-                              notice, request.plan, request.threads, request.memory_bytes)
+                              notice, request.plan, request.threads, request.memory_bytes, restored_from)
+        self.counters[f"restored_from_{restored_from}"] += 1
         self.counters["decodes"] += 1
         self.counters["host_kv_rebuilds"] += result.rebuilt
         self.counters["tokens"] += generation.generated_tokens
@@ -399,8 +419,9 @@ class Requests(DaemonBase):
 
     def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
                      attaching: Conversation | None = None) -> list[str]:
-        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`);
-        returns the agents whose parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the
+        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`): a parked
+        state goes to the disk tier when there is one (:meth:`spill`), else it is dropped; returns the agents whose
+        parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the
         ``parking`` conversation (its own buffer counts in them), and the ``attaching`` one goes last. Runs on the
         engine thread, the only one that moves KV state, so no swap races a drop."""
         budget = self.host_kv_budget
@@ -414,6 +435,10 @@ class Requests(DaemonBase):
             nbytes = buffer_bytes(conv)
             if conv.where != "host":
                 conv.buffer = None  # a live conversation's reuse buffer: nothing is lost
+                continue
+            if conv is not attaching and self.spill(by_id[key]):
+                log.info("host KV: agent %s's parked state (%d bytes) written to disk (host_kv_budget %d bytes)", key,
+                         nbytes, budget)
                 continue
             forget_parked(conv)
             dropped.append(key)

@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 from appliance.engine.adaptive import Tuning
 from appliance.errors import ApplianceError
 
-Where = Literal["empty", "device", "host"]
+Where = Literal["empty", "device", "host", "disk"]
 """Where a conversation's KV state is: nowhere yet, in the live context, or parked in host RAM."""
 StopReason = Literal["eos", "length", "stop", "cancelled"]
 

@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from appliance.daemon.durable import RESTORED_FROM
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.assets import web_dir
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
@@ -55,13 +56,22 @@ def health_document(appliance: Appliance) -> dict:
         problem["line"] = config["line"]
     state_files = [found.to_dict() for found in appliance.state_files.problems()]  # retried until written
     reasons.extend(found["reason"] for found in state_files)
+    durability = daemon.durability() if daemon else {}  # the agents' store and the disk tier of KV state
+    reasons.extend(report["reason"] for report in durability.values() if report["status"] == "degraded")
+    notices = []
+    moved_aside = durability.get("store", {}).get("moved_aside")
+    if moved_aside is not None:
+        notices.append(f"the agents store failed its integrity check at start: moved aside to {moved_aside}; its "
+                       "agents were not restored")
     if reasons:
         status = "degraded"
         problem = {"reason": "; ".join(reasons), **problem}
     snapshot = daemon.snapshot() if daemon else {}
     parked = [{"id": a["id"], "model": a["model"], "bytes": a["state_bytes"]}
               for a in snapshot.get("agents", []) if a["state"] == "host"]
-    return {"status": status, **problem, "config": config, "state_files": state_files, "models": models,
+    restored = {where: snapshot["counters"][f"restored_from_{where}"] for where in RESTORED_FROM} if daemon else {}
+    return {"status": status, **problem, "notices": notices, "config": config, "state_files": state_files,
+            **durability, "kv_restored_from": restored, "models": models,
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
+from appliance.daemon.durable import RESTORED_FROM
 from appliance.daemon.requestlog import RequestRecord
 
 if TYPE_CHECKING:
@@ -250,6 +251,28 @@ class DaemonCollector(Collector):
                       "parked state had been dropped.", counters["host_kv_rebuilds"])
         yield counter("appliance_ledger_denials", "Model loads the VRAM ledger refused (VRAM_LEDGER_DENY).",
                       counters["denials"])
+        restored = CounterMetricFamily("appliance_kv_restored_from", "Agent decodes by where their KV state was "
+                                       "found: device, host (RAM), disk (its KV file), tokens (re-evaluated), none "
+                                       "(no conversation before).", labels=["tier"])
+        for where in RESTORED_FROM:
+            restored.add_metric([where], counters[f"restored_from_{where}"])
+        yield restored
+        yield counter("appliance_disk_kv_spills", "Parked KV states written to disk because host_kv_budget was "
+                      "full.", counters["disk_kv_spills"])
+        durability = daemon.durability()
+        disk = durability.get("disk_kv")
+        if disk is not None:
+            yield gauge("appliance_disk_kv_budget_bytes", "Disk that KV files may hold (disk_kv_budget).",
+                        disk["budget_bytes"])
+            yield gauge("appliance_disk_kv_held_bytes", "Disk held by KV files now.", disk["held_bytes"])
+            yield gauge("appliance_disk_kv_degraded", "1 while KV files cannot be written (full or read-only "
+                        "disk).", disk["status"] == "degraded")
+        agents_store = durability.get("store")
+        if agents_store is not None:
+            yield gauge("appliance_store_degraded", "1 while the agents store cannot be written (its writes wait "
+                        "in memory and are retried).", agents_store["status"] == "degraded")
+            yield counter("appliance_store_transactions", "Transactions committed to the agents store.",
+                          agents_store["transactions"])
 
     @staticmethod
     def gateway(daemon: Daemon) -> Iterator[Metric]:

@@ -217,6 +217,7 @@ class Done:
         body["peak_memory_bytes"] = result.peak_memory_bytes
         body["plan"] = result.plan
         body["threads"] = result.threads
+        body["kv_restored_from"] = result.restored_from
         return body
 
 

@@ -9,7 +9,9 @@ http.openai.Run`): one engine, one ledger, one error mapping.
   ``previous_response_id`` runs in that agent, its prompt the whole history re-rendered (``history``): the engine keeps
   the common token prefix and evaluates only the new turn (``input_tokens_details.cached_tokens``). A stored
   response lives as long as its agent (``agent_idle_ttl_s`` expires both; ``max_agents`` refuses a new chain with
-  ``TOO_MANY_AGENTS``); ``DELETE`` unregisters the agent once no stored response uses it.
+  ``TOO_MANY_AGENTS``); ``DELETE`` unregisters the agent once no stored response uses it. A stored response is
+  committed to the agents' store with its agent before it is answered, so it outlives a restart
+  (:mod:`appliance.daemon.durable`).
 * ``store: false`` without ``previous_response_id`` runs on a fresh context, like a chat without ``user``.
 * **Reasoning.** A model whose template writes ``<think>…</think>`` (``models[].reasoning: split``, the default) has
   it split out by the chat path's splitter (:meth:`~appliance.http.openai.ChatPlan.splitter`) into a ``reasoning``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
 from appliance.daemon.model import Agent
+from appliance.daemon.store import dumps
 from appliance.engine import toolcalls
 from appliance.engine.chat import Message
 from appliance.engine.interface import Token
@@ -80,6 +84,8 @@ class Store:
 
     def get(self, daemon: Daemon, ident: str, param: str) -> Stored:
         stored = self.responses.get(ident)
+        if stored is None:
+            stored = self.restored(daemon, ident)
         if stored is not None and not self.alive(daemon, stored):
             self.prune(daemon)
             stored = None
@@ -90,18 +96,49 @@ class Store:
                                  {"param": param, "response": shown})
         return stored
 
-    def put(self, daemon: Daemon, ident: str, stored: Stored) -> None:
+    def restored(self, daemon: Daemon, ident: str) -> Stored | None:
+        """A response stored before the last restart (its agent restored with it), read back once."""
+        record = daemon.stored_responses.get(ident)
+        agent = None if record is None else daemon.agents.get(record.agent)
+        if record is None or agent is None:
+            return None
+        messages = tuple(message_from_json(item) for item in json.loads(record.messages))
+        stored = self.responses[ident] = Stored(json.loads(record.document), agent, messages)
+        return stored
+
+    async def put(self, daemon: Daemon, ident: str, stored: Stored) -> None:
         self.prune(daemon)
         self.responses[ident] = stored
+        messages = [message_to_json(message) for message in stored.messages]
+        await daemon.store_response(ident, stored.agent, dumps(stored.document), dumps(messages))
 
     async def delete(self, daemon: Daemon, ident: str) -> None:
         """Forget ``ident``; unregister its agent when no other stored response is in its conversation."""
         stored = self.get(daemon, ident, "response_id")
         del self.responses[ident]
-        if any(other.agent is stored.agent for other in self.responses.values()):
+        await daemon.drop_response(ident)
+        others = [record.agent for key, record in daemon.stored_responses.items() if key not in self.responses]
+        if any(other.agent is stored.agent for other in self.responses.values()) or stored.agent.id in others:
             return
         with contextlib.suppress(ApplianceError):  # it expired meanwhile: nothing left to unregister
             await daemon.unregister(stored.agent.id, reason=f"its last stored response {ident} was deleted")
+
+
+def message_to_json(message: Message) -> dict[str, Any]:
+    content: Any = message.content
+    if isinstance(content, tuple):
+        content = list(content)
+    return {"role": message.role, "content": content,
+            "tool_calls": [[call.id, call.name, call.arguments] for call in message.tool_calls],
+            "tool_call_id": message.tool_call_id, "name": message.name}
+
+
+def message_from_json(item: dict[str, Any]) -> Message:
+    content = item["content"]
+    if isinstance(content, list):
+        content = tuple(content)
+    calls = tuple(toolcalls.ToolCall(*call) for call in item["tool_calls"])
+    return Message(item["role"], content, calls, item["tool_call_id"], item["name"])
 
 
 def store_of(request: Request) -> Store:
@@ -168,7 +205,7 @@ def usage(done: Done) -> dict[str, Any]:
     return schema.usage(total, generation.generated_tokens, cached)
 
 
-def remember(request: Request, daemon: Daemon, turn: Turn, run: Run, document: dict[str, Any]) -> None:
+async def remember(request: Request, daemon: Daemon, turn: Turn, run: Run, document: dict[str, Any]) -> None:
     """Store ``turn``'s response (with ``store``) with its conversation's messages through its output."""
     if not turn.request.store or run.agent_id is None:
         return
@@ -177,7 +214,7 @@ def remember(request: Request, daemon: Daemon, turn: Turn, run: Run, document: d
         return
     output = schema.input_messages(document["output"], "output") if document["output"] else ()
     messages = (*turn.history, *turn.request.input, *output)
-    store_of(request).put(daemon, turn.ident, Stored(document, agent, messages))
+    await store_of(request).put(daemon, turn.ident, Stored(document, agent, messages))
 
 
 async def unregister_after(daemon: Daemon, run: Run, agent_id: str) -> None:
@@ -218,7 +255,7 @@ async def stream(request: Request, daemon: Daemon, turn: Turn, run: Run, first: 
         for payload in turn.finish(done):
             yield schema.event(payload)
         document = turn.completed(done)
-        remember(request, daemon, turn, run, document)
+        await remember(request, daemon, turn, run, document)
         kind = "response.completed" if document["status"] == "completed" else "response.incomplete"
         yield schema.event({"type": kind, "response": document, "sequence_number": turn.output.sequence})
     finally:
@@ -267,7 +304,7 @@ async def create_response(request: Request) -> Response:
             turn.feed(done.generation.text)
             turn.finish(done)
             document = turn.completed(done)
-            remember(request, daemon, turn, run, document)
+            await remember(request, daemon, turn, run, document)
         finally:
             release_unstored(request, daemon, turn, run)
         return JSONResponse(document)

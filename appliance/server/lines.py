@@ -161,7 +161,8 @@ async def execute(daemon: Daemon, command: lines.Command, cancel: threading.Even
     headers: list[dict[str, Any]] = [
         results_header(result),
         timings_header(result),
-        {"kv_swap_evicted": result.evicted or "none", "kv_swap_restored": result.restored},
+        {"kv_swap_evicted": result.evicted or "none", "kv_swap_restored": result.restored,
+         "kv_restored_from": result.restored_from},
     ]
     if result.notice is not None:  # once: its model was reloaded with another vocabulary
         headers.append({"notice": result.notice})

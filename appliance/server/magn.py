@@ -485,7 +485,8 @@ def completion(task_id: str, result: DecodeResult, fmt: toolcalls.Format | None 
     if gen.ttft_s is not None:
         timings["ttft_ms"] = gen.ttft_s * 1000
     stats: dict[str, object] = {"model": result.model, "kv_swap_evicted": result.evicted,
-                                "kv_swap_restored": result.restored, "peak_memory_bytes": result.peak_memory_bytes,
+                                "kv_swap_restored": result.restored, "kv_restored_from": result.restored_from,
+                                "peak_memory_bytes": result.peak_memory_bytes,
                                 "plan": result.plan, "threads": result.threads}
     if gen.prompt_evaluated is not None:  # tokens evaluated before the first new one (shared prefixes skip some)
         stats["prompt_evaluated"] = gen.prompt_evaluated

@@ -1,4 +1,4 @@
-"""A state folder that cannot be written: a full disk (a real 48 KiB tmpfs filled to the last byte) and a read-only
+"""A state folder that cannot be written: a full disk (a real 1 MiB tmpfs filled to the last byte) and a read-only
 one (a read-only tmpfs mounted over it). A model load rewrites the registry file; that write must never fail the
 REGISTER or the DECODE that caused it: they are served, ``/v1/health`` and STATUS say ``degraded`` naming the
 file and the error, and once the folder has room again the retry writes the current registry and health is ok.
@@ -28,7 +28,7 @@ from appliance.daemon import registry, statefiles
 
 MOUNT = Path(f"/tmp/ap-disk-{os.getpid()}")
 """The tmpfs's mount point: the appliance's ``data_dir`` in the tmpfs cases (the socket stays elsewhere)."""
-TMPFS_SIZE = "48k"
+TMPFS_SIZE = "1m"  # room for the registry and the agents store (SQLite: its file, WAL and shared memory)
 RECOVERY_S = statefiles.MAX_RETRY_S + 20.0  # the longest retry wait, plus a slow machine's slack
 FILLER = "filler.bin"
 

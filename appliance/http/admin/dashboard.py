@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 POLL_S = 2
 RECENT_REQUESTS = 15
-KV_PLACES = {"empty": "none yet", "device": "on device", "host": "in host RAM"}
+KV_PLACES = {"empty": "none yet", "device": "on device", "host": "in host RAM", "disk": "on disk"}
+RESTORED = {"none": "\u2014", "device": "device", "host": "host RAM", "disk": "disk", "tokens": "re-evaluated"}
+"""Where an agent's last decode found its KV state, as the agents table says it."""
 
 
 def model_rows(daemon: Daemon) -> list[dict[str, Any]]:
@@ -52,7 +54,8 @@ def agent_row(daemon: Daemon, agent: dict[str, Any]) -> dict[str, Any]:
     """An agent of the snapshot with where its KV is and its bytes: a parked state's own size; for KV live in
     the model's context, its tokens times the model's KV bytes per token (known after its first swap), marked as
     an estimate."""
-    row = {**agent, "where": KV_PLACES.get(agent["state"], agent["state"]), "kv_bytes": None, "kv_estimated": False}
+    row = {**agent, "where": KV_PLACES.get(agent["state"], agent["state"]), "kv_bytes": None, "kv_estimated": False,
+           "restored": RESTORED.get(agent["kv_restored_from"], agent["kv_restored_from"])}
     if agent["state"] == "host":
         row["kv_bytes"] = agent["state_bytes"]
     elif agent["state"] == "device":

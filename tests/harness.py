@@ -118,12 +118,15 @@ class Running:
 def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: bool = True,
             engine_factory: EngineFactory = gated_real_engine, watch: bool = False,
             notifier: Notifier | None = None, http_settings: dict[str, Any] | None = None,
-            **extra: Any) -> Iterator[Running]:
+            state: Path | None = None, **extra: Any) -> Iterator[Running]:
     """A real appliance on a short temporary socket path (AF_UNIX paths are limited to 108 bytes); ``extra``
     are more config settings. ``watch``: the config is written to ``<state>/appliance.yaml`` and hot-reloaded
     from there (:meth:`Running.edit`). ``http_settings``: the config's ``http`` section (``http`` itself says
-    whether to serve HTTP at all)."""
-    state = Path(tempfile.mkdtemp(prefix="ap-"))
+    whether to serve HTTP at all). ``state``: a state folder of the caller's (kept: a restart on it finds the agents
+    store and the KV files the last run left); by default a temporary one, removed after."""
+    temporary = state is None
+    if state is None:
+        state = Path(tempfile.mkdtemp(prefix="ap-"))
     try:
         if http_settings is not None:
             extra["http"] = http_settings
@@ -165,7 +168,8 @@ def running(models: dict[str, dict[str, Any]], *, model_dirs: list[Path], http: 
             loop.call_soon_threadsafe(loop.stop)
             thread.join(30)
     finally:
-        shutil.rmtree(state, ignore_errors=True)
+        if temporary:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 class RawPeer:

@@ -453,7 +453,8 @@ class Requests(DaemonBase):
         return {"budget_bytes": self.host_kv_budget,
                 "parked_bytes": sum(buffer_bytes(conv) for conv in convs),
                 "parked_agents": sum(conv.where == "host" for conv in convs),
-                "drops": self.counters["host_kv_drops"], "rebuilds": self.counters["host_kv_rebuilds"]}
+                "drops": self.counters["host_kv_drops"], "rebuilds": self.counters["host_kv_rebuilds"],
+                "spills": self.counters["disk_kv_spills"]}
 
     @property
     def generating(self) -> int:

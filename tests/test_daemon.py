@@ -33,7 +33,7 @@ def test_register_decode_in_l6_format(model_dir: Path) -> None:
         assert lines[1] == "OK invoke=DECODE agent_id=smol"
         assert lines[2].startswith("OK prompt_tokens=3 generated_tokens=")
         assert lines[3].startswith("OK elapsed_ms=")
-        assert lines[4] == "OK kv_swap_evicted=none kv_swap_restored=false"
+        assert lines[4] == "OK kv_swap_evicted=none kv_swap_restored=false kv_restored_from=none"
         assert lines[5] == "BEGIN_RESPONSE" and lines[-1] == "END_RESPONSE"
         head = fields(reply)
         eos = head["stopped_on_eos"] == "true"

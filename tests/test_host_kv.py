@@ -263,11 +263,11 @@ def test_the_budget_is_auto_by_default_and_shown_next_to_the_ledger(tmp_path: Pa
     try:
         snapshot = daemon.snapshot()
         assert snapshot["host_kv"] == {"budget_bytes": physical_memory() // 4, "parked_bytes": 0,
-                                       "parked_agents": 0, "drops": 0, "rebuilds": 0}
+                                       "parked_agents": 0, "drops": 0, "rebuilds": 0, "spills": 0}
         body = status_body(snapshot)
         ledger = next(i for i, line in enumerate(body) if line.startswith("ledger "))
         assert body[ledger + 1] == (f"host_kv budget_bytes={physical_memory() // 4} parked_bytes=0 "
-                                    "parked_agents=0 drops=0 rebuilds=0")
+                                    "parked_agents=0 drops=0 rebuilds=0 spills=0")
     finally:
         asyncio.run(daemon.close())
 

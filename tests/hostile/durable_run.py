@@ -9,9 +9,9 @@ logs more than a pipe holds while nobody reads would block), so a case can count
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -27,6 +27,7 @@ import yaml
 from hostile_checks import HUNG_S
 
 from appliance.client import lines as lineclient
+from appliance.daemon import store
 from appliance.protocol import lines as lineproto
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +62,41 @@ def registry(folder: Path) -> dict[str, Any] | None:
         return None
 
 
+class Client:
+    """Talking to an appliance: its line-protocol socket ``sock`` and its HTTP ``url``."""
+
+    sock: Path
+    url: str
+
+    def line(self, text: str, timeout: float = HUNG_S) -> str:
+        return lineclient.request(self.sock, text, timeout)
+
+    def agents(self) -> dict[str, dict[str, str]]:
+        """STATUS's agents (every page), by id."""
+        found: dict[str, dict[str, str]] = {}
+        offset = "0"
+        while offset != "none":
+            reply = self.line(f"STATUS agents {offset}")
+            assert reply.startswith("OK "), reply
+            for text in lineclient.response_body(reply).splitlines():
+                if text.startswith("agent "):
+                    record = lineproto.parse_fields(text.removeprefix("agent "))
+                    found[record["id"]] = record
+            offset = lineclient.header_fields(reply)["agents_next_offset"]
+        return found
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/v1/health", timeout=HUNG_S).json()
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One plain (not streamed) chat completion's JSON; AssertionError unless 200."""
+        response = httpx.post(self.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=HUNG_S)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
 @dataclass
-class Run:
+class Run(Client):
     """One ``appliance run`` process on ``config`` (its folder is the state folder)."""
 
     config: Path
@@ -75,7 +109,7 @@ class Run:
         return self.config.parent
 
     @property
-    def sock(self) -> Path:
+    def sock(self) -> Path:  # type: ignore[override]
         return self.folder / "appliance.sock"
 
     def start(self) -> Run:
@@ -120,33 +154,6 @@ class Run:
             self.kill()
             raise AssertionError(f"the daemon did not stop within {STOP_S:g} s of SIGTERM: "
                                  f"{self.output()[-3000:]}") from None
-
-    # -- talking to it ----------------------------------------------------------------------------------------
-    def line(self, text: str, timeout: float = HUNG_S) -> str:
-        return lineclient.request(self.sock, text, timeout)
-
-    def agents(self) -> dict[str, dict[str, str]]:
-        """STATUS's agents (every page), by id."""
-        found: dict[str, dict[str, str]] = {}
-        offset = "0"
-        while offset != "none":
-            reply = self.line(f"STATUS agents {offset}")
-            assert reply.startswith("OK "), reply
-            for text in lineclient.response_body(reply).splitlines():
-                if text.startswith("agent "):
-                    record = lineproto.parse_fields(text.removeprefix("agent "))
-                    found[record["id"]] = record
-            offset = lineclient.header_fields(reply)["agents_next_offset"]
-        return found
-
-    def health(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/v1/health", timeout=HUNG_S).json()
-
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One plain (not streamed) chat completion's JSON; AssertionError unless 200."""
-        response = httpx.post(self.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=HUNG_S)
-        assert response.status_code == 200, response.text
-        return response.json()
 
 
 def decode_text(reply: str) -> str:
@@ -203,9 +210,11 @@ class Runs:
                 run.kill()
 
 
-def pid_gone(pid: int) -> bool:
+def stored_tokens(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every agent's conversation tokens as the agents' store holds them now (read-only: SQLite's WAL lets a reader
+    in beside the running daemon's writer)."""
+    db = sqlite3.connect(f"file:{folder / store.FILE_NAME}?mode=ro", uri=True, timeout=HUNG_S)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+        return {row[0]: store.unpack_tokens(row[1]) for row in db.execute("SELECT id, tokens FROM agents")}
+    finally:
+        db.close()

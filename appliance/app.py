@@ -35,6 +35,7 @@ from appliance.engine.interface import EngineProtocol
 from appliance.errors import ApplianceError, StartupError
 from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
+from appliance.supervisor.logtail import LogTail
 from appliance.supervisor.notify import Notifier, watchdog_period_s
 from appliance.supervisor.plan import ReloadPlan
 from appliance.supervisor.record import Reload, Trigger
@@ -225,6 +226,7 @@ class Appliance:
         self.version = __version__
         self.config_path = config_path
         self.overrides: dict[str, Path | None] = {"data_dir": None, "socket_path": None}
+        self.setting_overrides: dict[str, str] = {}  # settings a command line gives (--host, --port), by key
         self.config_sha256 = file_sha256(config_path)
         self._loaded_sha256 = self.config_sha256  # of the file the last reload read (applied with it)
         self.started_at = time.time()
@@ -233,6 +235,7 @@ class Appliance:
         self.notifier = notifier or Notifier()
         self.reloader: Reloader | None = None
         self.benchmark_job = BenchmarkJob()  # the admin page's benchmark run, one at a time
+        self.log_tail = LogTail()  # the newest log lines, for the admin page's live tail (attached at start)
         self.tunings: dict[int, dict[str, Any]] = {}  # TUNE: engine settings held by socket connections, by id
         self.kept_tuners: dict[str, Tuner | None] | None = None  # the tuners as they were before the first TUNE
         self._device = device
@@ -256,14 +259,15 @@ class Appliance:
 
     @classmethod
     def from_file(cls, path: Path, *, data_dir: Path | None = None, socket_path: Path | None = None,
-                  **kwargs: Any) -> Appliance:
+                  settings: dict[str, str] | None = None, **kwargs: Any) -> Appliance:
         """The appliance of the config file at ``path``, watched for hot reload; ``data_dir`` and ``socket_path``
-        override the file's (``appliance run --data-dir/--socket``: systemd's state and runtime folders), on every
-        reload too."""
-        config = load_config(path, data_dir=data_dir, socket_path=socket_path)
+        override the file's (``appliance run --data-dir/--socket``: systemd's state and runtime folders), and so do
+        ``settings`` (by key, as a command line gives them: ``appliance run --host/--port``), on every reload too."""
+        config = load_config(path, data_dir=data_dir, socket_path=socket_path, settings=settings)
         ensure_demo_models(config)  # a missing model file is fine when the config says how to generate it
         appliance = cls(config, config_path=Path(os.path.abspath(path)), **kwargs)  # symlinks kept: watched as such
         appliance.overrides = {"data_dir": data_dir, "socket_path": socket_path}
+        appliance.setting_overrides = dict(settings or {})
         return appliance
 
     @property
@@ -316,11 +320,14 @@ class Appliance:
     async def _start(self) -> None:
         config = self.config
         self.apply_log_level()
+        self.log_tail.attach()
         return_big_buffers()
         self._lock()
         device = self._open_device()
         engine = self._engine_factory(config) if self._engine_factory is not None else None
         self.daemon = Daemon(config, device, engine)
+        for missing in self.daemon.missing_models():  # the config is valid: the other models serve
+            log.warning("%s; it serves as soon as the file is there", missing.reason)
         self.daemon.on_change = self.write_registry
         self.daemon.reports["config"] = self.config_report
         self.daemon.reports["reload"] = self.reload_history
@@ -475,7 +482,8 @@ class Appliance:
     def _load(self, path: Path) -> Config:
         """Read and validate the config file with this instance's overrides and the engine settings socket
         connections hold (TUNE): the reloader's loader (a thread)."""
-        config = load_config(path, data_dir=self.overrides["data_dir"], socket_path=self.overrides["socket_path"])
+        config = load_config(path, data_dir=self.overrides["data_dir"], socket_path=self.overrides["socket_path"],
+                             settings=self.setting_overrides)
         self._loaded_sha256 = file_sha256(path)
         return tune.tuned(config, tune.merged(self.tunings.values()))
 
@@ -773,6 +781,7 @@ class Appliance:
             lock.release()
         self._locks.clear()
         log.info("appliance stopped (%s)", self.stop_reason)
+        self.log_tail.detach()
 
     @staticmethod
     async def _drain(daemon: Daemon, grace_s: float) -> None:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import select
 import signal
 import socket
 import sys
@@ -212,7 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         appliance = Appliance.from_file(config_path(args), data_dir=args.data_dir, socket_path=args.socket,
-                                        log_level=args.log_level)
+                                        settings=command_line_settings(args), log_level=args.log_level)
     except ConfigInvalid as exc:
         print(f"appliance: refusing to start, {len(exc.problems)} problem(s) in {config_path(args)}:",
               file=sys.stderr)
@@ -230,21 +231,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_line_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings ``--host``/``--port`` give, by key, as written (the config's validation checks them)."""
+    given = {"http.host": args.host, "http.port": args.port}
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     from appliance.config.validate import ConfigInvalid, load_config
 
     path = Path(args.file) if args.file else config_path(args)
     try:
-        config = load_config(path, check_files=lambda p: p.exists(), data_dir=args.data_dir,
-                             socket_path=args.socket)
+        config = load_config(path, data_dir=args.data_dir,
+                             socket_path=args.socket, settings=command_line_settings(args))
     except ConfigInvalid as exc:
         for problem in exc.problems:
             print(problem)
         print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
         return 1
+    from appliance.config.modelfiles import missing_models
+
+    missing = missing_models(config, Path.is_file, skip_generated=True)  # valid: served as missing until there
+    for found in missing:
+        place = found.file if found.line is None else f"{found.file}:{found.line}"
+        print(f"warning: {place}: {found.key}: no such file {found.path} (model {found.name} is served as missing "
+              f"until the file is there; the other models serve)")
     print(f"{path}: ok ({len(config.models)} model(s), device {config.device}, "
-          f"admission {config.admission_percent:g}%)")
-    return 0
+          f"admission {config.admission_percent:g}%)" + (f"; {len(missing)} warning(s)" if missing else ""))
+    return EXIT_FAILED if missing and args.strict else 0
 
 
 def cmd_config_docs(args: argparse.Namespace) -> int:
@@ -268,6 +282,54 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
                             special_tokens=args.special_token)
     print(file=sys.stderr)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+MODELS_EPILOG = """\
+The file is checked first (the bounded GGUF header reader, then a trial load in a child process) and placed in the
+first model_dirs folder (kept where it is when it already lies inside one); the entry goes at the end of models:
+with every comment and blank line of the file kept. Refused, with nothing changed: a file that is not a GGUF, a name
+(or alias) already used, a file this user cannot read, a config this user may not write (the sudo command to run
+is given). Under systemd give --config /etc/appliance/appliance.yaml --data-dir /var/lib/appliance.
+HF_ENDPOINT names another hub (a mirror), HF_TOKEN logs in (private or gated repositories)."""
+
+
+def models_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", help="the model's name (default: from the file name)")
+    parser.add_argument("--n-ctx", type=count, metavar="N", help="its context size in tokens (default: the "
+                        "models[].n_ctx default)")
+    parser.add_argument("--config", help=f"config file to add it to (default $APPLIANCE_CONFIG, else "
+                                         f"./{DEFAULT_CONFIG})")
+    parser.add_argument("--data-dir", type=Path, metavar="DIR", help="state folder, replacing the config's "
+                        "data_dir for its {data_dir}/... paths (systemd: /var/lib/appliance)")
+
+
+def print_added(added: Any) -> None:
+    """What ``models add``/``pull`` did: the config's diff on stderr, one line on stdout."""
+    sys.stderr.write(added.diff)
+    print(f"added model {added.name}: {added.path} ({added.placed}) to {added.config}; a running appliance on it "
+          f"picks it up with its hot reload")
+    for note in added.notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    from appliance.models.add import COPY, LINK, add_model
+
+    print_added(add_model(config_path(args), args.file, name=args.name, n_ctx=args.n_ctx,
+                          placement=COPY if args.copy else LINK, data_dir=args.data_dir))
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from appliance.models.pull import pull_model
+
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request to the hub
+    logging.getLogger("huggingface_hub").propagate = False  # it prints its own warnings (a resumed download) once
+    pulled = pull_model(config_path(args), args.repo, args.repo_file, revision=args.revision, name=args.name,
+                        n_ctx=args.n_ctx, data_dir=args.data_dir)
+    print(f"pulled {pulled.file} from {pulled.repo}: {pulled.checksum.kind} {pulled.checksum.value} verified")
+    print_added(pulled.added)
     return 0
 
 
@@ -354,6 +416,13 @@ def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any], r
     except (apply.AdviceRejected, ValueError) as exc:
         raise CliError(f"cannot apply the advice: {exc}", EXIT_FAILED) from None
     print(planned.diff, file=sys.stderr)
+    from appliance.benchmark import quality
+
+    found = quality.result_caveats(result)
+    if found:
+        print(f"this advice rests on a run with caveats ({quality.labels(found)}):", file=sys.stderr)
+        for caveat in found:
+            print(f"  {caveat.text}", file=sys.stderr)
     if not args.yes:
         if not sys.stdin.isatty():
             raise CliError("--apply asks before writing: give --yes when stdin is not a terminal", EXIT_FAILED)
@@ -565,8 +634,10 @@ def render_records(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def table_command(line: str, lists: tuple[str, ...]) -> Callable[[argparse.Namespace], int]:
-    """STATUS or LIST: readable tables, or ``--json`` (the same records as JSON, for scripts)."""
+def table_command(line: str, lists: tuple[str, ...],
+                  verbose_only: tuple[str, ...] = ()) -> Callable[[argparse.Namespace], int]:
+    """STATUS or LIST: readable tables, or ``--json`` (the same records as JSON, for scripts); the tables of the
+    record kinds ``verbose_only`` only with ``--verbose`` (the JSON always has them)."""
 
     def run(args: argparse.Namespace) -> int:
         reply = request_line(args, line, args.timeout)
@@ -577,10 +648,28 @@ def table_command(line: str, lists: tuple[str, ...]) -> Callable[[argparse.Names
         if args.json:
             print(json.dumps(doc, indent=2))
         else:
+            if not getattr(args, "verbose", False):
+                doc = {kind: value for kind, value in doc.items() if kind not in verbose_only}
             sys.stdout.write(render_records(doc))
         return 0
 
     return run
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    """The loaded models, one line each (:mod:`appliance.client.ps`), from the running appliance's STATUS."""
+    from appliance.client import ps
+
+    reply = request_line(args, "STATUS", args.timeout)
+    if reply.startswith("ERR "):
+        sys.stdout.write(reply)
+        return EXIT_FAILED
+    models = ps.loaded_models(parse_records(lineclient.response_body(reply), ("models", "agents")))
+    if args.json:
+        print(json.dumps([model.to_dict() for model in models], indent=2))
+    else:
+        sys.stdout.write(ps.render(models))
+    return 0
 
 
 BENCHMARK_EPILOG = """\
@@ -590,9 +679,11 @@ of each measurement held over its file's with the line protocol's TUNE, and let 
   1. the agent session (agents x rounds, inputs 50-600 tokens, 16- or 128-token answers) with the fixed strategy
      (engine.adaptive false, llama-cpp-python's default threads) and with the adaptive engine;
   2. a hot_pool_slack sweep (the same session, shorter, each request profiled);
-  3. greedy decode speed at each thread count.
+  3. greedy decode speed at each thread count;
+  4. aggregate decode speed of 1, 2, 4, ... streams decoded together (engine.live_slots rests on it).
 It prints the table (TTFT avg / P99, tokens/s, peak memory, memory growth), the device class and the advice, one
-reason per line, and saves the result as JSON (the admin page's Benchmarks tab lists it)."""
+reason per line, and saves the result as JSON (the admin page's Benchmarks tab lists it). A quick run, a run of
+--repeats 1, or one during which other processes used 10% or more of the CPU is marked with its caveats."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -625,6 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--socket", type=Path, metavar="PATH",
                        help="Unix socket path, replacing the config's socket.path "
                             "(systemd: --socket ${RUNTIME_DIRECTORY}/appliance.sock)")
+        p.add_argument("--host", metavar="ADDRESS",
+                       help="HTTP address to bind, replacing the config's http.host (on every reload too; a "
+                            "non-loopback one needs http.api_token)")
+        p.add_argument("--port", metavar="PORT",
+                       help="HTTP port, replacing the config's http.port (on every reload too; 0 = any free port)")
         return p
 
     run = command("run", cmd_run, "run the appliance in the foreground", epilog=exit_code_table())
@@ -636,13 +732,29 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="check or document appliance.yaml", epilog="settings:\n" + render_help(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = command("check", cmd_config_check, "validate a config file and print every problem", config_sub)
+    check = command("check", cmd_config_check, "validate a config file and print every problem; a model file that "
+                    "is not there is a warning (exit 0: the other models serve)", config_sub)
     check.add_argument("file", nargs="?")
+    check.add_argument("--strict", action="store_true", help="exit 1 on warnings too (a missing model file)")
     overrides(check)
     command("docs", cmd_config_docs, "print every setting as a markdown table", config_sub)
 
     models = sub.add_parser("models", help="model files")
     models_sub = models.add_subparsers(dest="models_command", required=True)
+    add = command("add", cmd_models_add, "check a GGUF file, put it in the first model_dirs folder and add it to "
+                  "the config; a running appliance picks it up with its hot reload", models_sub, epilog=MODELS_EPILOG)
+    add.add_argument("file", metavar="FILE.gguf")
+    models_options(add)
+    placement = add.add_mutually_exclusive_group()
+    placement.add_argument("--link", action="store_true", help="a hard link to the file in the folder (the "
+                           "default: no second copy; the same file system only)")
+    placement.add_argument("--copy", action="store_true", help="a copy of the file in the folder (readable by all)")
+    pull = command("pull", cmd_models_pull, "fetch a GGUF file from a Hugging Face repository into the first "
+                   "model_dirs folder (resumable, checksum verified), then add it", models_sub, epilog=MODELS_EPILOG)
+    pull.add_argument("repo", metavar="REPO", help="owner/name of a model repository")
+    pull.add_argument("repo_file", nargs="?", metavar="FILE", help="the .gguf file in it (default: its only one)")
+    pull.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    models_options(pull)
     tiny = command("make-tiny", cmd_make_tiny, "write a small random-weight llama GGUF", models_sub)
     tiny.add_argument("out")
     tiny.add_argument("--layers", type=count, default=4)
@@ -658,12 +770,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="append TEXT to the vocabulary as a control token, as fine-tunes add <|im_start|> "
                            "(repeatable)")
 
-    for name, line, lists, text in (
-            ("status", "STATUS", ("models", "agents"), "device, ledger, models and agents, as tables"),
-            ("list", "LIST", ("models",), "configured models and their state, as a table")):
-        table = client(command(name, table_command(line, lists), text))
+    for name, line, lists, verbose_only, text in (
+            ("status", "STATUS", ("models", "agents"), ("profile",), "device, ledger, models and agents, as tables"),
+            ("list", "LIST", ("models",), (), "configured models and their state, as a table")):
+        table = client(command(name, table_command(line, lists, verbose_only), text))
         table.add_argument("--json", action="store_true", help="print the records as JSON (for scripts)")
         table.add_argument("--timeout", type=seconds, default=30.0)
+        if verbose_only:
+            table.add_argument("--verbose", action="store_true",
+                               help="also the adaptive engine's load profiles (--json always has them)")
+    ps = client(command("ps", cmd_ps, "the loaded models, one line each: size, CPU/GPU, agents, requests in "
+                                      "flight, and when each unloads"))
+    ps.add_argument("--json", action="store_true", help="print the lines as JSON (for scripts)")
+    ps.add_argument("--timeout", type=seconds, default=30.0)
     client(command("resync", line_command(build_resync), "re-read the device, re-base the ledger"))
     reg = client(command("register", line_command(build_register), "register an agent on a model"))
     reg.add_argument("agent")
@@ -689,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=count, help="rounds of the session (default 20; --quick 3)")
     bench.add_argument("--agents", type=count, help="agents at once (default 4; --quick 2)")
     bench.add_argument("--quick", action="store_true", help="a short run: 2 agents x 3 rounds, 3 slack points, "
-                                                            "1 and 2 threads")
+                                                            "1 and 2 threads, 1 to 4 streams")
     bench.add_argument("--repeats", type=count, default=1, help="each session and sweep point this many times, "
                        "fixed and adaptive alternating first; the medians are reported (default 1)")
     bench.add_argument("--seed", type=int, default=0, help="the workload's seed")
@@ -737,12 +856,43 @@ def protocol_version(text: str) -> str:
     return text
 
 
+def stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reader has closed it (Linux reports POLLERR on the write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no stdout, or not one that can be polled
+        return False
+
+
+def end_quietly() -> int:
+    """The reader of our output went away (``appliance status | head -1``): what is left unwritten goes nowhere and
+    the command ends as shell tools do, without a word (exit 0)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the flush at exit writes there instead of failing again
+    os.close(devnull)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError:  # --help into a closed pipe
+        if stdout_reader_gone():
+            return end_quietly()
+        raise
     level = (args.log_level or "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # now, not at exit: a reader gone meanwhile is found where it can be handled
+        return code
+    except BrokenPipeError as exc:  # our reader went away, or a socket's peer (that one is an error)
+        if stdout_reader_gone():
+            return end_quietly()
+        print(f"appliance: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
     except CliError as exc:
         print(f"appliance: {exc.message}", file=sys.stderr)
         return exc.code

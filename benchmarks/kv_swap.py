@@ -90,7 +90,7 @@ def continue_greedy(rt: Runtime, conv: Conversation, n: int) -> tuple[list[int],
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim, dtype="f16", n_ctx_train=8192)
     shape = read_model_shape(model)
-    rt = Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=0, n_threads=args.threads, live_slots=1)
+    rt = Runtime(model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads, live_slots=1)
     try:
         return measure(rt, args, model, shape.weight_bytes)
     finally:
@@ -128,7 +128,7 @@ def measure(rt: Runtime, args: argparse.Namespace, model: Path, weight_bytes: in
 
     # llama-cpp-python's own whole-context state calls, on the same model and prompt, for comparison.
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=args.n_ctx, n_threads=args.threads,
-                          n_batch=min(512, args.n_ctx), seed=0, verbose=False)
+                          n_batch=min(512, args.n_ctx), n_gpu_layers=args.n_gpu_layers, seed=0, verbose=False)
     llm.eval(snap_tokens[:snap_evaluated])
 
     # Timing rounds, interleaved: memcpy, llama-cpp-python save/load_state, ours (last, so the KV that the
@@ -192,6 +192,8 @@ def measure(rt: Runtime, args: argparse.Namespace, model: Path, weight_bytes: in
         "model": {"file": model.name, "layers": args.layers, "dim": args.dim, "dtype": "f16",
                   "weight_bytes": weight_bytes},
         "n_ctx": rt.n_ctx,
+        "n_gpu_layers": args.n_gpu_layers,
+        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),  # False: the layers ran on the CPU whatever asked
         "context_tokens": args.tokens,
         "threads": args.threads,
         "repeats": args.repeats,
@@ -244,6 +246,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-ctx", type=int, default=None, help="context size (default 2048; quick 256)")
     p.add_argument("--repeats", type=int, default=None, help="timing rounds (default 15; quick 5)")
     p.add_argument("--threads", type=int, default=default_threads())
+    p.add_argument("--n-gpu-layers", type=int, default=0,
+                   help="layers offloaded to the GPU (-1 = all; needs a CUDA build of llama-cpp-python): the swap then "
+                        "copies the KV cache between VRAM and host RAM (default 0: CPU)")
     add_output_args(p, NAME)
     args = p.parse_args(argv)
     fill_defaults(args, full={"layers": 12, "dim": 768, "tokens": 2000, "n_ctx": 2048, "repeats": 15},

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up (first time only) and run the whole test suite, then ruff.
+# Set up the test tools (first time only: scripts/setup.sh test) and run ruff, then the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh test
+if [ "${APPLIANCE_SETUP_DRY_RUN:-0}" = 1 ]; then  # the set-up's dry run: print what would run, run nothing
+    echo "test: would run: ruff check . && python -m pytest$(printf ' %q' "$@")" >&2
+    exit 0
+fi
 . .venv/bin/activate
 # The real tokenizers and chat templates of the real-vocab tests, from the pinned llama-cpp-python sdist (once per
 # machine, cached under ~/.cache/appliance; offline, those tests skip and say why).

@@ -50,7 +50,7 @@ def browser() -> Iterator[Any]:
     One per module, never per session: Playwright's sync API holds an event loop on the main thread while it runs,
     and every later ``asyncio.run`` of the session would fail."""
     if not CHROMIUM.exists():
-        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh, which installs it with "
+        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh test, which installs it with "
                     "apt-get (or: apt-get install -y chromium)")
     try:
         from playwright.sync_api import sync_playwright

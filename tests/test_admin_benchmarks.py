@@ -1,9 +1,11 @@
 """The admin page's Benchmarks tab over real HTTP against a real appliance: the list links each result to its
 page (the fixed / adaptive / improvement table, both per-round SVG charts, the slack sweep, the thread curve, the
-device class and every advice line), an older benchmark's JSON shows what it has, bad names are 404; "Apply
-advice" writes a commented config (comments kept) and the reload record says ``benchmark``; a run started from the
-page (a stand-in for ``appliance benchmark``: a small script printing PROGRESS lines) shows its progress, refuses
-a second start, ends with a link to its result or with its error, and stopping the appliance ends it. Also the
+device class and every advice line, the concurrency curve and the caveats of a quick, single or contended run), an
+older benchmark's JSON shows what it has, bad names are 404; "Apply advice" writes a commented config (comments
+kept) and the reload record says ``benchmark``, after a confirmation step for a result with caveats; a run
+started from the page (a stand-in for ``appliance benchmark``: a small script printing PROGRESS lines) shows its
+progress, refuses a second start, ends with a link to its result or with its error, and stopping the appliance
+ends it. Also the
 pure parts alone: the PROGRESS parser and the SVG charts (parsed with xml.etree)."""
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ SAMPLE: dict[str, Any] = {
                     {"slack": 1.1, "ttft_avg_ms": 245.0, "ttft_p99_ms": 490.0, "peak_memory_bytes": 1200 * 1024**2,
                      "tokens_per_s": 24.7}],
     "thread_curve": [{"threads": 1, "tokens_per_s": 10.0}, {"threads": 2, "tokens_per_s": 17.0}],
+    "concurrency_curve": [{"streams": 1, "tokens_per_s": 10.0}, {"streams": 2, "tokens_per_s": 18.5}],
     "concurrency": {"max_in_flight": 2, "models_in_use": 1},
+    "repeats": 1,
+    "cpu": {"others_share": 0.27},
     "device_class": {"name": "low", "reason": "2 cores < 3: low"},
     "advice": [
         {"key": "engine.hot_pool_slack", "value": 1.1, "current": 1.2,
@@ -330,6 +335,17 @@ def test_the_list_links_to_a_result_page_with_its_table_charts_and_advice(app) -
     assert '<li data-key="engine.hot_pool_slack">' in html and "1.2 &rarr; <strong>1.1</strong>" in html
     assert "model tiny: 3 instances fit &lt;in 8 GiB&gt;" in html and "Model tiny: <strong>3</strong>" in html
     assert 'hx-post="/admin/benchmarks/result/appliance-benchmark-20251201-115320.json/apply"' in html
+    assert "<tr><td>2</td><td>18.5 tokens/s</td></tr>" in html  # the concurrency curve
+    caveats = re.search(r'<div class="warn" id="benchmark-caveats">(.*?)</div>', html, re.DOTALL)
+    assert caveats is not None, "a quick, single, contended run is marked"
+    assert "a quick run (--quick)" in caveats.group(1) and "each measurement ran once" in caveats.group(1)
+    assert "other processes used 27% of the CPU during the run" in caveats.group(1)
+    assert "<dt>Caveats</dt><dd>quick, single run, contended</dd>" in html
+    assert re.search(r"This run has caveats \(above\): Apply asks\s+you to confirm first", html)
+    trusted = {**SAMPLE, "quick": False, "repeats": 3, "cpu": {"others_share": 0.02}}
+    save(app, "trusted.json", trusted)
+    calm = get(app, "/admin/benchmarks/result/trusted.json").text
+    assert "benchmark-caveats" not in calm and "<dt>Caveats</dt><dd>none</dd>" in calm
 
 
 def test_an_older_result_or_one_without_advice_shows_what_it_has(app) -> None:  # type: ignore[no-untyped-def]
@@ -377,7 +393,17 @@ def test_apply_writes_the_commented_config_and_reloads_with_the_benchmark_trigge
 
     wait_for(reloaded, "the edit's reload")
 
-    response = post(app, "/admin/benchmarks/result/advised.json/apply")
+    asked = post(app, "/admin/benchmarks/result/advised.json/apply")  # a quick, single, contended run: asked first
+    assert asked.status_code == 200 and asked.headers["x-appliance-outcome"] == "confirm", asked.text
+    assert config.read_text() == commented and app.appliance.config.engine.hot_pool_slack == 1.2  # nothing written
+    assert 'data-outcome="confirm"' in asked.text and "other processes used 27% of the CPU" in asked.text
+    assert '<input type="hidden" name="confirm" value="yes">' in asked.text and "<html" not in asked.text
+    assert 'hx-post="/admin/benchmarks/result/advised.json/apply"' in asked.text
+    assert all(record["trigger"] != "benchmark" for record in app.appliance.reload_history())
+    wrong = post(app, "/admin/benchmarks/result/advised.json/apply", {"confirm": "maybe"})
+    assert wrong.headers["x-appliance-outcome"] == "confirm" and config.read_text() == commented
+
+    response = post(app, "/admin/benchmarks/result/advised.json/apply", {"confirm": "yes"})
     assert response.status_code == 200 and response.headers["x-appliance-outcome"] == "ok", response.text
     assert response.headers["hx-trigger"] == "appliance-changed"
     text = config.read_text()
@@ -392,20 +418,29 @@ def test_apply_writes_the_commented_config_and_reloads_with_the_benchmark_trigge
     assert 'data-result="applied" data-trigger="benchmark"' in html and "<html" not in html
     assert "<strong>applied</strong> (benchmark)" in get(app, "/admin/config").text
 
-    again = post(app, "/admin/benchmarks/result/advised.json/apply")
+    again = post(app, "/admin/benchmarks/result/advised.json/apply", {"confirm": "yes"})
     assert again.headers["x-appliance-outcome"] == "ok" and "Nothing to apply" in again.text
     assert app.appliance.reloader.history.last == last  # no second reload
+
+
+def test_apply_of_a_trusted_run_needs_no_confirmation(app) -> None:  # type: ignore[no-untyped-def]
+    """A full run, repeated, on a quiet box: Apply writes at once."""
+    save(app, "trusted.json", {**SAMPLE, "quick": False, "repeats": 3, "cpu": {"others_share": 0.02}})
+    response = post(app, "/admin/benchmarks/result/trusted.json/apply")
+    assert response.headers["x-appliance-outcome"] == "ok", response.text
+    assert "hot_pool_slack: 1.1" in app.config_file.read_text()
+    assert app.appliance.reloader.history.last.trigger == "benchmark"
 
 
 def test_apply_refuses_advice_the_config_would_refuse(app) -> None:  # type: ignore[no-untyped-def]
     before = app.config_file.read_text()
     bad = {**SAMPLE, "advice": [{"key": "engine.hot_pool_slack", "value": 99.0, "current": 1.2, "reason": "r"}]}
     save(app, "bad.json", bad)
-    refused = post(app, "/admin/benchmarks/result/bad.json/apply")
+    refused = post(app, "/admin/benchmarks/result/bad.json/apply", {"confirm": "yes"})
     assert refused.headers["x-appliance-outcome"] == "CONFIG_INVALID" and "hot_pool_slack" in refused.text
     malformed = {**SAMPLE, "advice": [{"key": "engine.hot_pool_slack", "value": 1.1}]}
     save(app, "malformed.json", malformed)
-    unreadable = post(app, "/admin/benchmarks/result/malformed.json/apply")
+    unreadable = post(app, "/admin/benchmarks/result/malformed.json/apply", {"confirm": "yes"})
     assert unreadable.headers["x-appliance-outcome"] == "BAD_REQUEST" and "advice entry 1" in unreadable.text
     assert app.config_file.read_text() == before
     assert all(record["trigger"] != "benchmark" for record in app.appliance.reload_history())
@@ -424,6 +459,22 @@ def test_a_run_in_place_measures_this_appliance_through_its_own_socket(
     poll_run(app, 'data-state="finished"')
     post(app, "/admin/benchmarks/run", {"quick": "on"})
     assert "--socket" not in app.appliance.benchmark_job.argv  # unticked: processes of the run's own
+    stand_in.gate.touch()
+    poll_run(app, 'data-state="finished"')
+
+
+def test_the_run_form_picks_a_configured_model(app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    page = get(app, "/admin/benchmarks").text
+    picker = page[page.index('<select name="model" id="benchmark-model" required>'):]
+    assert re.findall(r'<option value="([^"]+)"', picker[:picker.index("</select>")]) == ["tiny"]
+    stand_in = StandIn(tmp_path, "ok")
+    app.appliance.benchmark_job = BenchmarkJob(stand_in)
+    unknown = post(app, "/admin/benchmarks/run", {"quick": "on", "model": "nope"})
+    assert unknown.headers["x-appliance-outcome"] == "BAD_REQUEST" and "no model named" in unknown.text
+    assert stand_in.calls == []  # nothing started
+    started = post(app, "/admin/benchmarks/run", {"quick": "on", "model": "tiny"})
+    assert started.headers["x-appliance-outcome"] == "ok"
+    assert app.appliance.benchmark_job.argv[-2:] == ["--model", "tiny"]
     stand_in.gate.touch()
     poll_run(app, 'data-state="finished"')
 

@@ -1,9 +1,10 @@
 """The Benchmarks tab in a real headless Chromium (Debian's ``/usr/bin/chromium`` driven by Playwright, as in
 tests/test_admin_browser.py) against a real appliance: start a quick ``appliance benchmark`` from the page (the real
 CLI on the appliance's own config file, a tiny model), see the progress bar move without a reload, follow the
-link to the result page (the table and the SVG charts), click "Apply advice" and see the diff and the reload
-record, which says ``benchmark``. No page logs a JavaScript error or a failed request, and the result page fits
-a 375 px phone screen. Screenshots go to the test's ``tmp_path``."""
+link to the result page (the table and the SVG charts, the quick run's caveats), click "Apply advice", confirm
+(the run has caveats), and see the diff and the reload record, which says ``benchmark``. No page logs a
+JavaScript error or a failed request, and the result page fits a 375 px phone screen. Screenshots go to the
+test's ``tmp_path``."""
 
 from __future__ import annotations
 
@@ -74,7 +75,13 @@ def test_a_quick_benchmark_from_the_page_then_apply_its_advice(app, browser, tmp
         assert page.locator("svg.chart").count() >= 2 and page.locator("svg.chart circle.point").count() >= 2
         page.screenshot(path=str(tmp_path / "benchmark-result.png"), full_page=True)
 
+        assert page.locator("#benchmark-caveats").is_visible()  # a quick run of one repeat is marked
         page.click("#apply-advice")
+        page.locator('#apply-result [data-outcome="confirm"]').wait_for(timeout=WAIT_MS)
+        assert "a quick run (--quick)" in page.inner_text("#apply-confirmation")
+        assert config.read_text().startswith("# the operator's notes") and "adaptive_window_size: 7\n" in \
+            config.read_text()  # asked, nothing written yet
+        page.click("#apply-confirm")
         page.locator('#apply-result [data-outcome="ok"]').wait_for(timeout=WAIT_MS)
         diff = page.inner_text("#apply-diff")
         assert "-  adaptive_window_size: 7" in diff and "+  adaptive_window_size:" in diff

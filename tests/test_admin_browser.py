@@ -1,5 +1,5 @@
 """The admin page (SPEC W4) in a real headless Chromium (Debian's ``/usr/bin/chromium``, driven by Playwright's
-sync API; ``scripts/setup.sh`` installs it, never ``playwright install``) against a real appliance: the dashboard
+sync API; ``scripts/setup.sh test`` installs it, never ``playwright install``) against a real appliance: the dashboard
 shows an agent registered through the form by polling, without a reload; a ledger denial is rendered inline with
 its figures; resync shows the reading before and after; a chat message streams its tokens; every page fits a
 375 px phone screen; and no page logs a JavaScript error or a failed request. Screenshots go to the test's
@@ -84,7 +84,7 @@ def test_register_through_the_form_and_see_it_appear_on_the_dashboard(app, brows
         registry = problems.watch(context.new_page())
         registry.goto(url + "/admin/registry")
         registry.fill("#register-form input[name=agent]", "browser-agent")
-        registry.fill("#register-form input[name=model]", "tiny")
+        registry.select_option("#register-model", "tiny")
         registry.click("#register-form button[type=submit]")
         registry.locator('#register-result [data-outcome="ok"]').wait_for(timeout=WAIT_MS)
         assert "browser-agent registered on model tiny" in registry.inner_text("#register-result")
@@ -113,7 +113,7 @@ def test_a_ledger_denial_is_rendered_inline(app, browser, problems: Problems) ->
         page = problems.watch(context.new_page())
         page.goto(app.appliance.http_url + "/admin/registry")
         page.fill("#register-form input[name=agent]", "too-big")
-        page.fill("#register-form input[name=model]", "huge")
+        page.select_option("#register-model", "huge")
         page.click("#register-form button[type=submit]")
         result = page.locator('#register-result [data-outcome="VRAM_LEDGER_DENY"]')
         result.wait_for(timeout=WAIT_MS)
@@ -153,7 +153,7 @@ def test_a_stale_csrf_token_is_refused_and_said_so(app, browser, problems: Probl
         page.goto(app.appliance.http_url + "/admin/registry")
         page.evaluate("""document.body.setAttribute("hx-headers", '{"X-CSRF-Token": "from-before-a-restart"}')""")
         page.fill("#register-form input[name=agent]", "stale")
-        page.fill("#register-form input[name=model]", "tiny")
+        page.select_option("#register-model", "tiny")
         page.click("#register-form button[type=submit]")
         page.locator('#register-result [data-outcome="refused"]').wait_for(timeout=WAIT_MS)
         text = page.inner_text("#register-result")

@@ -62,7 +62,8 @@ def test_every_page_renders_with_its_figures(app) -> None:  # type: ignore[no-un
     assert partial.status_code == 200 and "<html" not in partial.text and '<tr data-agent="agent-1">' in partial.text
 
     pages = {"/admin/registry": ['<form id="register-form" hx-post="/admin/registry/register"',
-                                 '<tr data-agent="agent-1"><td>agent-1</td><td>tiny</td></tr>'],
+                                 '<tr data-agent="agent-1"><td>agent-1</td><td>tiny</td>',
+                                 '<optgroup label="Models">', '<option value="tiny">tiny</option>'],
              "/admin/device": ['id="resync-button"', figures.format_bytes(daemon.reading.total)],
              "/admin/config": ["The file is valid", "No reloads yet.", "vram_bytes: 68719476736"],
              "/admin/benchmarks": ["No benchmark results are saved yet."],

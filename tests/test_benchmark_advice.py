@@ -1,5 +1,7 @@
-"""The tuning advice of ``appliance benchmark`` (issue #13): each rule over recorded measurement tables, at its
-boundaries, and every advised value of a config key accepted by the config validator."""
+"""The tuning advice of ``appliance benchmark`` (issues #13, #26): each rule over crafted measurement tables, at its
+boundaries, and every advised value of a config key accepted by the config validator. ``engine.live_slots`` comes
+from the concurrency curve (never from the session's own agent count), ``engine.threads: 1`` from a thread curve
+whose best is one thread."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import pytest
 import yaml
 
 from appliance.benchmark.advice import (
+    ADVISED,
     ADVISED_KEYS,
     GIB,
     MIB,
+    ConcurrencyPoint,
     Machine,
     Measurements,
     ModelFootprint,
@@ -25,6 +29,7 @@ from appliance.benchmark.advice import (
     current_settings,
     device_class,
     instance_advice,
+    pin_advice,
     preset_advice,
     slack_advice,
     slots_advice,
@@ -40,6 +45,7 @@ CURRENT: dict[str, Any] = {
     "engine.adaptive_sample_rate": 4,
     "engine.hot_pool_slack": 1.2,
     "engine.thread_idle_thresholds": [60, 30],
+    "engine.threads": 0,
     "engine.live_slots": 4,
     "engine.live_contexts": "auto",
 }
@@ -262,19 +268,87 @@ def test_thread_curve_with_a_count_twice_is_refused() -> None:
 SLOTS_MAXIMUM = int(BY_KEY["engine.live_slots"].maximum)
 
 
+def streams(*tokens: float, counts: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[ConcurrencyPoint]:
+    """Aggregate tokens/s with 1, 2, 4, ... streams decoded together."""
+    return [ConcurrencyPoint(count, value) for count, value in zip(counts, tokens, strict=False)]
+
+
 @pytest.mark.parametrize(
-    ("in_flight", "expected"),
-    [(0, 1), (1, 1), (3, 3), (SLOTS_MAXIMUM, SLOTS_MAXIMUM), (SLOTS_MAXIMUM + 36, SLOTS_MAXIMUM)],
-    ids=["none-in-flight", "one", "three", "at-the-maximum", "capped"],
+    ("points", "expected", "phrase"),
+    [
+        (streams(100.0, 160.0, 200.0, 205.0, 204.0), 4, "4 reach within 5% of the best (205.0 at 8)"),
+        (streams(100.0, 99.0, 98.0), 1, "1 reach within 5% of the best (100.0 at 1)"),
+        (streams(100.0, 190.0, 360.0), 4, "still rising at 4 streams, the most measured"),
+        (streams(100.0, 150.0, 190.0, 200.0, 190.0), 4, "4 reach within 5% of the best (200.0 at 8)"),
+        (streams(100.0, 150.0, 189.0, 200.0), 8, "still rising at 8 streams"),  # 189 is not within 5 % of 200
+        ([ConcurrencyPoint(8, 200.0), ConcurrencyPoint(1, 50.0), ConcurrencyPoint(2, 99.0)], 8, "still rising"),
+        (streams(10.0, 20.0, counts=(32, 128)), SLOTS_MAXIMUM, "capped at engine.live_slots's maximum 64"),
+    ],
+    ids=["knee-at-4", "batching-never-helps", "still-rising", "dip-after-the-best", "just-outside-5pct",
+         "unsorted-curve", "capped-at-the-schema"],
 )
-def test_slots(in_flight: int, expected: int) -> None:
-    [recommendation] = slots_advice(in_flight, CURRENT)
+def test_slots_at_the_concurrency_curves_knee(points: list[ConcurrencyPoint], expected: int, phrase: str) -> None:
+    [recommendation] = slots_advice(points, CURRENT)
     assert recommendation.key == "engine.live_slots"
     assert recommendation.value == expected
-    assert f"up to {in_flight} requests were in flight on one model at once" in recommendation.reason
-    assert ("capped" in recommendation.reason) == (in_flight > SLOTS_MAXIMUM)
+    assert recommendation.current == 4
+    assert phrase in recommendation.reason
+    assert "aggregate decode tokens/s by streams decoded together" in recommendation.reason
     assert_one_line(recommendation)
     assert_valid(recommendation)
+
+
+@pytest.mark.parametrize("points", [[], streams(100.0)], ids=["not-measured", "one-point"])
+def test_slots_need_a_curve_of_two_points(points: list[ConcurrencyPoint]) -> None:
+    assert slots_advice(points, CURRENT) == []
+
+
+def test_a_concurrency_curve_with_a_count_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="each stream count once"):
+        slots_advice([ConcurrencyPoint(2, 1.0), ConcurrencyPoint(2, 2.0)], CURRENT)
+
+
+@pytest.mark.parametrize(
+    ("points", "current", "expected"),
+    [
+        (curve(12.0, 9.0), 0, 1),  # two threads slower than one
+        (curve(12.0, 12.2), 0, 1),  # within 3 %: a second thread buys nothing
+        (curve(12.0, 12.2, 11.0, 10.0), 4, 1),  # an operator's pin to 4 threads, one is best
+        (curve(10.0, 17.0), 0, None),  # two threads are better: the engine's own choice stays
+        (curve(10.0, 17.0), 1, 0),  # a pin to one thread that the curve no longer backs
+        (curve(10.0, 17.0, 25.0), 3, None),  # the operator's pin to 3 is left alone
+        (curve(12.0, 9.0), 1, 1),  # keep one
+    ],
+    ids=["one-faster", "one-within-3pct", "pinned-4-one-best", "two-better", "unpin-one", "operator-pin-kept",
+         "keep-one"],
+)
+def test_threads_pinned_to_one_when_the_curve_says_so(points: list[ThreadPoint], current: int,
+                                                     expected: int | None) -> None:
+    found = pin_advice(points, {**CURRENT, "engine.threads": current})
+    if expected is None:
+        assert found == []
+        return
+    [recommendation] = found
+    assert recommendation.key == "engine.threads"
+    assert recommendation.value == expected and recommendation.current == current
+    assert recommendation.differs == (expected != current)
+    assert "single-stream decode tokens/s by threads 1:" in recommendation.reason
+    assert_one_line(recommendation)
+    assert_valid(recommendation)
+    assert ADVISED["engine.threads"].admits(recommendation.value, 1)
+
+
+def test_a_pin_to_one_is_applied_with_the_thresholds() -> None:
+    """A curve where two threads are slower than one advises both keys, and --apply may write both."""
+    _, recommendations = advise(measurements(thread_curve=tuple(curve(12.0, 9.0))))
+    wanted = changes(recommendations)
+    assert wanted["engine.threads"] == 1 and wanted["engine.thread_idle_thresholds"] == [100, 99]
+    assert not ADVISED["engine.threads"].admits(2, 1)  # the advice never pins another count
+
+
+@pytest.mark.parametrize("points", [[], curve(10.0)], ids=["empty", "one-point"])
+def test_the_thread_pin_needs_two_points(points: list[ThreadPoint]) -> None:
+    assert pin_advice(points, {**CURRENT, "engine.threads": 1}) == []
 
 
 def footprints(*gib: float) -> tuple[ModelFootprint, ...]:
@@ -364,8 +438,8 @@ def measurements(**overrides: Any) -> Measurements:
         "machine": machine(cores=2, memory_gib=8, device_gib=8),
         "tokens_per_s": 17.0,
         "slack_sweep": tuple(sweep((1.0, 250.0, 100), (1.2, 212.0, 110), (1.5, 205.0, 140))),
-        "thread_curve": tuple(curve(10.0, 17.0)),
-        "max_in_flight": 2,
+        "thread_curve": tuple(curve(12.0, 9.0)),
+        "concurrency_curve": tuple(streams(100.0, 160.0, 200.0)),
         "models": footprints(0.5, 1),
         "max_connections": 128,
         "current": CURRENT,
@@ -387,13 +461,16 @@ def test_advise_gives_the_class_and_every_recommendation_in_a_fixed_order() -> N
 
 
 def test_advise_leaves_out_what_was_not_measured() -> None:
-    (name, reason), recommendations = advise(measurements(tokens_per_s=None, slack_sweep=(), thread_curve=()))
+    (name, reason), recommendations = advise(measurements(tokens_per_s=None, slack_sweep=(), thread_curve=(),
+                                                          concurrency_curve=()))
     assert name == "low"
     assert "not measured" in reason
     keys = [recommendation.key for recommendation in recommendations]
     assert "engine.hot_pool_slack" not in keys
     assert "engine.thread_idle_thresholds" not in keys
-    assert "engine.live_slots" in keys
+    assert "engine.threads" not in keys
+    assert "engine.live_slots" not in keys
+    assert "engine.live_contexts" in keys
 
 
 def test_changes_are_the_keyed_recommendations_that_differ() -> None:

@@ -60,6 +60,19 @@ def test_an_agent_starts_a_new_conversation_when_the_turn_would_pass_n_ctx() -> 
     assert agent.abandoned == ["agent2-conv0"]  # unregistered once the new conversation has answered
 
 
+def test_an_answer_that_retokenizes_longer_is_counted_by_its_bytes() -> None:
+    """Random weights write pieces that re-tokenize apart when the history is re-sent (a 128-token answer of the
+    demo model came back as about 250 tokens, and the next turn overflowed n_ctx): the conversation is counted at
+    the answer's UTF-8 bytes when they are more than its generated tokens, so it starts anew in time."""
+    agent = session.AgentState(0)
+    step = session.Turn(118, 16, " the" * 118)
+    babble = "xq" * 200  # 400 bytes that were 128 generated tokens
+    result = session.TurnResult(0, 0, agent.user, 316, 128, text=babble, prompt_tokens=1758, completion_tokens=128)
+    agent.answered(agent.prompt_for(step, 2048), result)
+    assert agent.held_tokens == 1758 + 400
+    assert agent.prompt_for(step, 2048) == step.text and agent.rollovers == 1  # 1758 + 128 + 118 + 32 would fit
+
+
 def test_improvement_is_positive_when_adaptive_is_better() -> None:
     assert session.improvement("ttft_p99_ms", 100.0, 70.0) == pytest.approx(0.3)
     assert session.improvement("peak_memory_bytes", 100.0, 130.0) == pytest.approx(-0.3)

@@ -24,6 +24,7 @@ from ruamel.yaml import YAML
 from appliance.benchmark import advice
 from appliance.benchmark import apply as apply_module
 from appliance.benchmark.apply import AdviceRejected, advised_text, apply_changes, unified_diff, write_atomic
+from appliance.config import filewrite, roundtrip
 from appliance.config.validate import load_config, parse_config
 
 REPOSITORY_CONFIG = Path(__file__).resolve().parents[1] / "appliance.yaml"
@@ -323,14 +324,16 @@ def test_the_advice_of_a_recorded_session_applies_to_the_repository_config(confi
         slack_sweep=(advice.SlackPoint(1.0, 250.0, 260.0, 100 * advice.MIB, 17.0),
                      advice.SlackPoint(1.5, 205.0, 240.0, 140 * advice.MIB, 17.5)),
         thread_curve=(advice.ThreadPoint(1, 12.0), advice.ThreadPoint(2, 9.0)),
-        max_in_flight=2,
+        concurrency_curve=(advice.ConcurrencyPoint(1, 12.0), advice.ConcurrencyPoint(2, 21.0),
+                           advice.ConcurrencyPoint(4, 21.5)),
         models=(advice.ModelFootprint("demo", 20 * advice.MIB, 32 * advice.MIB),),
         max_connections=config.max_connections,
         current=advice.current_settings(config),
     )
     _, recommendations = advice.advise(measurements)
     wanted = advice.changes(recommendations)
-    assert wanted  # a low box: the window, sample rate, slack, thresholds and slots all move
+    assert wanted  # a low box: the window, sample rate, slack, thresholds, the thread pin and slots all move
+    assert wanted["engine.threads"] == 1 and wanted["engine.live_slots"] == 2
 
     applied = apply_changes(config_file, wanted)
 
@@ -354,7 +357,7 @@ def entry(key: str | None, value: Any, current: Any = None) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("key", "value"),
     [("http.host", "0.0.0.0"), ("http.api_token", "stolen"), ("model_dirs", ["/"]), ("max_connections", 65536),
-     ("engine.threads", 1), ("engine.plan_boundaries", [1, 2])],
+     ("engine.flash_attention", True), ("engine.plan_boundaries", [1, 2])],
 )
 def test_a_result_advising_a_key_outside_the_advice_is_refused_naming_it(
     config_file: Path, key: str, value: Any
@@ -383,7 +386,8 @@ def test_a_key_outside_the_advice_is_refused_even_when_it_would_change_nothing(c
      ("engine.adaptive_sample_rate", 3, "engine.adaptive_sample_rate: 3 is not a value the advice gives"),
      ("engine.adaptive_window_size", 64.0, "engine.adaptive_window_size: 64.0 is not a value"),
      ("engine.live_contexts", 3, "engine.live_contexts: 3 is not a value the advice gives \\(auto or an integer "
-                                 "from 1 to 2, the configured models")],
+                                 "from 1 to 2, the configured models"),
+     ("engine.threads", 2, "engine.threads: 2 is not a value the advice gives \\(an integer from 0 to 1\\)")],
 )
 def test_the_writer_refuses_what_the_advice_could_not_have_produced(
     config_file: Path, key: str, value: Any, refused: str
@@ -402,7 +406,8 @@ def test_the_writer_refuses_what_the_advice_could_not_have_produced(
     ("key", "value"),
     [("engine.adaptive_window_size", 128), ("engine.adaptive_sample_rate", 2), ("engine.hot_pool_slack", 10),
      ("engine.hot_pool_slack", 1.0), ("engine.thread_idle_thresholds", (1, 0)),
-     ("engine.thread_idle_thresholds", [100, 99]), ("engine.live_slots", 64), ("engine.live_contexts", "auto")],
+     ("engine.thread_idle_thresholds", [100, 99]), ("engine.live_slots", 64), ("engine.live_contexts", "auto"),
+     ("engine.threads", 1), ("engine.threads", 0)],
 )
 def test_the_edges_of_each_advised_range_are_written(config_file: Path, key: str, value: Any) -> None:
     applied = apply_changes(config_file, {key: value})
@@ -411,9 +416,9 @@ def test_the_edges_of_each_advised_range_are_written(config_file: Path, key: str
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 5, 8, 64, 267, 400])
-@pytest.mark.parametrize("in_flight", [0, 1, 7, 200])
+@pytest.mark.parametrize("streams", [1, 2, 7, 200])
 @pytest.mark.parametrize("device_mib", [1, 60, 100, 10_000])
-def test_whatever_the_advice_recommends_passes_its_own_allow_list(cores: int, in_flight: int,
+def test_whatever_the_advice_recommends_passes_its_own_allow_list(cores: int, streams: int,
                                                                   device_mib: int) -> None:
     """The gate refuses nothing the advice itself gives, on small and huge boxes (every key, its edges)."""
     models = (advice.ModelFootprint("a", 20 * advice.MIB, 30 * advice.MIB),
@@ -425,10 +430,10 @@ def test_whatever_the_advice_recommends_passes_its_own_allow_list(cores: int, in
                      advice.SlackPoint(10.0, 200.0, 240.0, 90 * advice.MIB, 17.5)),
         thread_curve=(advice.ThreadPoint(1, 12.0), advice.ThreadPoint(2, 9.0 if cores % 2 else 14.0),
                       advice.ThreadPoint(3, 8.0)),
-        max_in_flight=in_flight,
+        concurrency_curve=(advice.ConcurrencyPoint(1, 10.0), advice.ConcurrencyPoint(streams + 1, 30.0)),
         models=models,
         max_connections=64,
-        current={},
+        current={"engine.threads": 1},  # one thread pinned: the curve advises keeping it or 0
     )
     _, recommendations = advice.advise(measurements)
     keyed = [recommendation for recommendation in recommendations if recommendation.key is not None]
@@ -467,8 +472,8 @@ def test_an_edit_that_would_drop_a_comment_is_refused() -> None:
     """The last guard: whatever the round trip does, a comment of the file never silently goes."""
     old = "engine:\n  live_slots: 4  # four\n  threads: 0  # auto\n"
     with pytest.raises(AdviceRejected, match="would drop the comment '# auto' \\(line 3\\)"):
-        apply_module._check_comments_kept(old, "engine:\n  live_slots: 2  # four\n  threads: 0\n", "the config")
-    apply_module._check_comments_kept(old, "engine:\n  live_slots: 2    # four\n  threads: 0  # auto\n", "the config")
+        roundtrip.check_comments_kept(old, "engine:\n  live_slots: 2  # four\n  threads: 0\n", "the config")
+    roundtrip.check_comments_kept(old, "engine:\n  live_slots: 2    # four\n  threads: 0  # auto\n", "the config")
 
 
 # --- the write: temporary files, hard links, read-only files --------------------------------------------------------
@@ -579,7 +584,7 @@ def test_a_read_only_file_system_found_at_the_write_is_refused_clearly(
     def refusing_mkstemp(*args: Any, **kwargs: Any) -> Any:
         raise OSError(error, os.strerror(error))
 
-    monkeypatch.setattr(apply_module.tempfile, "mkstemp", refusing_mkstemp)
+    monkeypatch.setattr(filewrite.tempfile, "mkstemp", refusing_mkstemp)
     with pytest.raises(apply_module.ConfigNotWritable, match=f"cannot write .*{re.escape(os.strerror(error))}"):
         apply_changes(config_file, {"engine.live_slots": 2})
     assert config_file.read_bytes() == before

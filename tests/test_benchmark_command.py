@@ -88,6 +88,14 @@ def test_a_quick_benchmark_saves_every_field_of_the_table_and_the_advice(quick: 
     assert [point["threads"] for point in result["thread_curve"]][0] == 1
     assert all(point["tokens_per_s"] > 0 for point in result["thread_curve"])
     assert result["concurrency"]["max_in_flight"] == 2  # two agents, every round at once
+    assert [point["streams"] for point in result["concurrency_curve"]] == list(runner.QUICK_STREAMS)
+    assert all(point["tokens_per_s"] > 0 for point in result["concurrency_curve"])
+    [slots] = [entry for entry in result["advice"] if entry["key"] == "engine.live_slots"]
+    assert slots["value"] in runner.QUICK_STREAMS and "streams decoded together" in slots["reason"]
+    assert 0 <= result["cpu"]["others_share"] <= 1 and result["cpu"]["total_ticks"] > 0
+    labels = [caveat["label"] for caveat in result["caveats"]]
+    assert labels[:2] == ["quick", "single run"]  # a quick run of one repeat, whatever else the box did
+    assert result["headline"].split("; CAVEATS: ")[1].startswith("quick, single run")
     assert result["device_class"]["name"] in ("low", "mid", "high") and result["device_class"]["reason"]
     keys = {entry["key"] for entry in result["advice"]}
     assert {"engine.adaptive_window_size", "engine.adaptive_sample_rate", "engine.hot_pool_slack",
@@ -108,7 +116,9 @@ def test_the_printed_report_has_the_table_the_measurements_and_each_advice_line(
     assert shown.returncode == 0, shown.stderr
     out = shown.stdout
     for label in ("TTFT avg (ms)", "TTFT P99 (ms)", "tokens/s", "peak memory (MiB)", "memory growth (MiB)",
-                  "hot_pool_slack sweep", "decode tokens/s by thread count", "device class:"):
+                  "hot_pool_slack sweep", "decode tokens/s by thread count",
+                  "aggregate decode tokens/s by streams decoded together", "device class:",
+                  "caveats (quick, single run"):
         assert label in out
     for entry in result["advice"]:
         assert entry["reason"] in out
@@ -201,6 +211,7 @@ def test_apply_asks_first_and_refuses_to_guess_without_a_terminal(folder: Path,
     assert done.returncode == 1
     assert "give --yes when stdin is not a terminal" in done.stderr
     assert "+  hot_pool_slack: 1.4" in done.stderr  # the diff is shown before the question
+    assert "this advice rests on a run with caveats (quick, single run" in done.stderr  # and the caveats
     assert copy.read_text() == config.read_text()
 
 
@@ -496,7 +507,24 @@ def test_repetitions_report_each_figures_median_and_none_when_one_failed() -> No
 def test_a_runs_steps_count_every_round_of_every_repetition_and_each_thread_count(tmp_path: Path) -> None:
     once = runner.scale_of(runner.Options(tmp_path / "a.yaml", quick=True), cores=2)
     twice = runner.scale_of(runner.Options(tmp_path / "a.yaml", quick=True, repeats=2), cores=2)
-    assert once.steps == 2 * 3 + 3 * 3 + 2
-    assert twice.steps == 2 * (2 * 3 + 3 * 3) + 2
+    assert once.steps == 2 * 3 + 3 * 3 + 2 + 3
+    assert twice.steps == 2 * (2 * 3 + 3 * 3) + 2 + 3
     full = runner.scale_of(runner.Options(tmp_path / "a.yaml"), cores=16)
     assert (full.agents, full.rounds, full.sweep_rounds) == (4, 20, 10) and full.thread_counts == tuple(range(1, 9))
+    assert once.stream_counts == (1, 2, 4) and full.stream_counts == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize(
+    ("streams", "expected"),
+    [
+        ([runner.StreamTiming(0.0, 1.0, 11), runner.StreamTiming(0.5, 2.0, 21)], 30 / 2.0),
+        ([runner.StreamTiming(1.0, 2.0, 5)], 4.0),
+        ([runner.StreamTiming(0.0, 1.0, 11), runner.StreamTiming(None, None, 0)], None),  # one produced nothing
+        ([runner.StreamTiming(0.0, 1.0, 1)], None),  # one token: no decode speed
+        ([], None),
+    ],
+    ids=["two-streams", "one-stream", "a-stream-failed", "one-token", "none"],
+)
+def test_the_aggregate_rate_counts_every_streams_tokens_over_the_whole_span(
+        streams: list[runner.StreamTiming], expected: float | None) -> None:
+    assert runner.aggregate_tokens_per_s(streams) == expected

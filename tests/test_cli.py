@@ -49,11 +49,11 @@ def test_config_check_reports_three_mistakes_with_their_lines(tmp_path: Path) ->
 
 def test_run_refuses_an_invalid_file_with_the_report(tmp_path: Path) -> None:
     bad = tmp_path / "appliance.yaml"
-    bad.write_text("device: gpu-please\nmodels:\n  - name: m\n    path: ./missing.gguf\n")
+    bad.write_text("device: gpu-please\nmodels:\n  - name: m\n    path: ./missing.gguf\n    n_ctx: 1\n")
     result = appliance("run", "--config", str(bad), timeout=60)
     assert result.returncode == 2
-    assert "refusing to start, 2 problem(s)" in result.stderr
-    assert ":1: device" in result.stderr and ":4: models[0].path" in result.stderr
+    assert "refusing to start, 2 problem(s)" in result.stderr  # a missing model file is not one of them
+    assert ":1: device" in result.stderr and ":5: models[0].n_ctx" in result.stderr
 
 
 def test_shipped_config_is_valid() -> None:
@@ -190,7 +190,7 @@ def check_tables_from_another_folder(config: Path) -> None:
     listed = json.loads(elsewhere("list", "--json", env={"APPLIANCE_SOCKET": str(state / "appliance.sock")}).stdout)
     assert [m["name"] for m in listed["models"]] == ["demo"] and "agents" not in listed
     runtime = elsewhere("list", env={"RUNTIME_DIRECTORY": str(state)})
-    assert runtime.returncode == 0 and runtime.stdout.splitlines()[1].split()[:3] == ["name", "path", "n_ctx"]
+    assert runtime.returncode == 0 and runtime.stdout.splitlines()[1].split()[:3] == ["name", "state", "path"]
 
 
 def test_version() -> None:

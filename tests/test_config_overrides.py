@@ -137,3 +137,46 @@ def test_load_config_from_a_read_only_folder(read_only_folder: Path, tmp_path: P
     assert config.model("a").path == tmp_path / "state" / "models" / "a.gguf"
     assert config.model("b").path == read_only_folder / "b.gguf"
     assert sorted(read_only_folder.iterdir()) == before
+
+
+# -- appliance run --host/--port: settings given on the command line -------------------------------------------------
+HTTP_TEXT = TEXT + "http:\n  host: 127.0.0.1\n  port: 8080\n"
+
+
+def test_command_line_settings_replace_the_files_http_host_and_port() -> None:
+    config = parse_config(HTTP_TEXT, source=SOURCE, settings={"http.host": "::1", "http.port": "9001"})
+    assert (config.http.host, config.http.port) == ("::1", 9001)
+    assert parse_config(HTTP_TEXT, source=SOURCE, settings={"http.port": "0"}).http.port == 0  # any free port
+    assert parse_config(HTTP_TEXT, source=SOURCE, settings={}).http.port == 8080
+
+
+@pytest.mark.parametrize(("settings", "key", "message"), [
+    ({"http.port": "70000"}, "http.port", "must be ≤ 65535 (got 70000) (given on the command line)"),
+    ({"http.port": "-1"}, "http.port", "must be ≥ 0 (got -1) (given on the command line)"),
+    ({"http.port": "eighty"}, "http.port", "must be an integer (got 'eighty') (given on the command line)"),
+    ({"http.port": ""}, "http.port", "must not be empty (default: 8080) (given on the command line)"),
+    ({"http.host": "0.0.0.0"}, "http.host", "binding to '0.0.0.0' (not loopback) requires http.api_token"),
+])
+def test_command_line_settings_are_validated_like_the_files(settings: dict[str, str], key: str,
+                                                            message: str) -> None:
+    with pytest.raises(ConfigInvalid) as info:
+        parse_config(HTTP_TEXT, source=SOURCE, settings=settings)
+    (problem,) = info.value.problems
+    assert (problem.path, problem.line, problem.message) == (key, None, message)  # no line: not the file's value
+
+
+def test_a_non_loopback_host_from_the_command_line_is_fine_with_the_files_token() -> None:
+    text = HTTP_TEXT + "  api_token: s3cret-token\n"
+    assert parse_config(text, source=SOURCE, settings={"http.host": "0.0.0.0"}).http.host == "0.0.0.0"
+
+
+def test_a_loopback_host_from_the_command_line_replaces_the_files_refused_one() -> None:
+    text = HTTP_TEXT.replace("host: 127.0.0.1", "host: 0.0.0.0")
+    with pytest.raises(ConfigInvalid):
+        parse_config(text, source=SOURCE)
+    assert parse_config(text, source=SOURCE, settings={"http.host": "127.0.0.1"}).http.host == "127.0.0.1"
+
+
+def test_only_settings_can_be_given() -> None:
+    with pytest.raises(ValueError, match="not a setting"):
+        parse_config(HTTP_TEXT, source=SOURCE, settings={"http.prt": "1"})

@@ -24,7 +24,12 @@ from appliance.errors import ApplianceError
 
 GIB = 2**30
 GPU = gpu_visible()
-needs_gpu = pytest.mark.skipif(not GPU, reason="no NVIDIA GPU visible through NVML on this machine")
+def needs_gpu(test):  # type: ignore[no-untyped-def]
+    """A test of the real NVML device: in the ``gpu`` set (``pytest -m gpu``), skipped without a GPU."""
+    skip = pytest.mark.skipif(not GPU, reason="no NVIDIA GPU visible through NVML on this machine")
+    return pytest.mark.gpu(skip(test))
+
+
 needs_no_gpu = pytest.mark.skipif(GPU, reason="an NVIDIA GPU is visible; this checks the CPU-only fallback")
 
 

@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_real_vocab import CASES
 
 NAME = "qwen2.5"
+ALICE = f"alice@{NAME}"
+"""The agent of the OpenAI ``user`` alice on the model."""
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +58,12 @@ def test_an_openai_user_agent_and_a_stored_responses_chain_survive_a_restart(mod
         deleted = client.responses.create(model=NAME, input="Bye", max_output_tokens=3, temperature=0)
         client.responses.delete(deleted.id)
         reference = client.chat.completions.create(model=NAME, messages=history, max_tokens=6, temperature=0)
-        held = len(app.daemon.agents["alice"].conversation.tokens)
+        held = len(app.daemon.agents[ALICE].conversation.tokens)
     with box(model, state) as app:
         client = client_of(app)
-        assert app.daemon.agents["alice"].dormant  # back, holding no model until its first turn
-        row = agent_row(httpx.get(f"{app.appliance.http_url}/admin/_dashboard", timeout=30).text, "alice")
-        assert "on disk" in row and "restored at start, model not loaded yet" in row
+        assert app.daemon.agents[ALICE].dormant  # back, holding no model until its first turn
+        row = agent_row(httpx.get(f"{app.appliance.http_url}/admin/_dashboard", timeout=30).text, ALICE)
+        assert "on disk" in row and "dormant: its model loads at its next turn" in row
         second = client.chat.completions.create(model=NAME, messages=history, user="alice", max_tokens=6,
                                                 temperature=0)
         usage = second.usage
@@ -86,7 +88,7 @@ def test_an_openai_user_agent_and_a_stored_responses_chain_survive_a_restart(mod
                     if family.name == "appliance_kv_restored_from" for sample in family.samples
                     if sample.name.endswith("_total")}
         assert restored["disk"] >= 2
-        row = agent_row(httpx.get(f"{app.appliance.http_url}/admin/_dashboard", timeout=30).text, "alice")
+        row = agent_row(httpx.get(f"{app.appliance.http_url}/admin/_dashboard", timeout=30).text, ALICE)
         assert '<td class="restored">disk</td>' in row
 
 

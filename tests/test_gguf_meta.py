@@ -92,6 +92,7 @@ def test_shape_of_the_fixture_model(tiny_model: Path) -> None:
         n_ctx_train=2048,
         weight_bytes=expected_weights,
         file_bytes=tiny_model.stat().st_size,
+        block_bytes=(per_block,) * layers,
     )
     # everything that is not weights is the header (vocabulary) and alignment padding
     assert 0 < shape.file_bytes - shape.weight_bytes < 64 * 1024

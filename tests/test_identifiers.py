@@ -18,7 +18,13 @@ from appliance.http.admin.registry import agent_field
 from appliance.protocol import lines
 from appliance.protocol import messages as m
 from appliance.protocol.frames import LocalProtocolError
-from appliance.protocol.identifiers import AGENT_ID, AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
+from appliance.protocol.identifiers import (
+    AGENT_ID,
+    AGENT_ID_RULE,
+    MAX_AGENT_ID_CHARS,
+    agent_id_problem,
+    user_agent_id,
+)
 
 ACCEPTED = ["user-123", "550e8400-e29b-41d4-a716-446655440000", "alice@example.com", "bob+agents@mail.example.org",
             "org:team.agent_7", "A", "9", "x" * MAX_AGENT_ID_CHARS]
@@ -179,3 +185,49 @@ def test_the_registry_table_and_the_models_holders_are_bounded(tmp_path: Path) -
         assert last["agents_page"].next_offset is None and last["agents_page"].previous_offset == 0
 
     run(tmp_path, body)
+
+
+# -- an end user's agent on a model (issue #26: the OpenAI ``user`` names a user, not a conversation) --------------
+
+
+@pytest.mark.parametrize(
+    ("user", "model", "expected"),
+    [
+        ("alice", "demo", "alice@demo"),
+        ("alice@example.com", "demo-wide", "alice@example.com@demo-wide"),  # an e-mail address: the last @ splits
+        ("u", "m" * 62, "u@" + "m" * 62),  # exactly 64 characters
+    ],
+    ids=["name", "e-mail", "at-the-limit"],
+)
+def test_a_users_agent_on_a_model_is_user_at_model(user: str, model: str, expected: str) -> None:
+    assert user_agent_id(user, model) == expected
+    assert agent_id_problem(expected) is None
+
+
+@pytest.mark.parametrize(
+    ("user", "model"),
+    [("x" * MAX_AGENT_ID_CHARS, "demo"), ("u", "m" * 63), ("bob", "/models/qwen 7b.gguf"), ("a" * 40, "b" * 40)],
+    ids=["long-user", "long-model", "a-path", "both-long"],
+)
+def test_a_users_agent_too_long_or_not_allowed_as_user_at_model_is_hashed(user: str, model: str) -> None:
+    agent = user_agent_id(user, model)
+    assert agent_id_problem(agent) is None and len(agent) <= MAX_AGENT_ID_CHARS
+    head, _, tail = agent.rpartition("@")
+    assert user.startswith(head) and "+" in tail  # readable start of each, then the hash after the model's part
+    assert user_agent_id(user, model) == agent  # the same in every call
+
+
+def test_a_users_agent_is_the_same_in_every_process() -> None:
+    """Agents outlive a restart: the hashed id is a pure function of the user and the model (SHA-256, not Python's
+    per-process ``hash``), pinned here."""
+    assert user_agent_id("x" * 64, "demo") == "x" * 46 + "@demo+13dddbf274b3"
+
+
+@given(st.from_regex(AGENT_ID, fullmatch=True), st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True),
+       st.from_regex(AGENT_ID, fullmatch=True), st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True))
+@settings(max_examples=300, deadline=None)
+def test_different_users_or_models_are_different_agents(user: str, model: str, other_user: str,
+                                                        other_model: str) -> None:
+    first, second = user_agent_id(user, model), user_agent_id(other_user, other_model)
+    assert agent_id_problem(first) is None and agent_id_problem(second) is None
+    assert (first == second) == ((user, model) == (other_user, other_model))

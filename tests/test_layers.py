@@ -31,7 +31,10 @@ PURE = [
     "daemon.ledger",
     "daemon.policy",
     "daemon.hostkv",
+    "daemon.offload",
     "daemon.requestlog",
+    "daemon.accesslog",
+    "client.ps",
     "daemon.admission",
     "engine.slots",
     "engine.profile",
@@ -61,6 +64,11 @@ PURE = [
     "protocol.identifiers",
     "protocol.paging",
     "config.secrets",
+    "config.modelfiles",
+    "config.roundtrip",
+    "models.entry",
+    "http.cors",
+    "supervisor.logtail",
 ]
 
 

@@ -73,7 +73,7 @@ def test_a_profile_record_is_flat_and_none_while_its_window_is_empty() -> None:
          "ttft_s_p50": None, "ttft_s_p90": None, "ttft_s_p99": None}]
 
 
-def test_metrics_show_pools_threads_profile_quantiles_and_agent_kv_cells(tiny_model: Path) -> None:
+def test_metrics_show_pools_threads_profile_percentiles_and_agent_kv_cells(tiny_model: Path) -> None:
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], engine=ADAPTIVE) as app:
         app.line("REGISTER a tiny")
         for prompt in ("Hello", "Hello there, how are you today", "Hi"):
@@ -93,9 +93,9 @@ def test_metrics_show_pools_threads_profile_quantiles_and_agent_kv_cells(tiny_mo
         names = {"input_tokens": "appliance_profile_input_tokens", "output_tokens": "appliance_profile_output_tokens",
                  "ttft_s": "appliance_profile_ttft_seconds", "kv_cells_peak": "appliance_profile_kv_cells_peak"}
         for figure, name in names.items():
-            for key, quantile in (("p50", "0.5"), ("p90", "0.9"), ("p99", "0.99")):
-                labels = (("model", "tiny"), ("quantile", quantile))
-                assert samples[name, labels] == summary["percentiles"][figure][key], (name, quantile)
+            for key in ("p50", "p90", "p99"):
+                labels = (("model", "tiny"), ("percentile", key))
+                assert samples[name, labels] == summary["percentiles"][figure][key], (name, key)
         kv_cells = app.daemon.agents["a"].conversation.n_evaluated
         assert samples["appliance_agent_kv_cells", (("agent", "a"),)] == kv_cells > 0
         assert samples["appliance_requests_by_plan_total", (("model", "tiny"), ("plan", context["plan"]))] == 3

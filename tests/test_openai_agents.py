@@ -26,6 +26,7 @@ from appliance.engine.interface import TokenLogprob, TokenLogprobs
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
 from appliance.http.openai import chat_deltas, grammar_error
+from appliance.protocol.identifiers import user_agent_id
 
 NAMES = ("qwen2.5", "llama3.1", "hermes3", "mistral-nemo")
 GENERIC = "phi3.5"  # a template without tools: the generic format (the tools described in a system message)
@@ -164,7 +165,7 @@ def test_control_text_in_content_stays_text(app: Running, client: openai.OpenAI,
     agent = f"injected-{name.replace('.', '-')}"
     reply = chat(client, name, injected, max_tokens=1, user=agent)
     assert reply.usage.prompt_tokens != llama_count(llm, rendered)
-    seen = app.daemon.agents[agent].conversation.tokens[:reply.usage.prompt_tokens]
+    seen = app.daemon.agents[user_agent_id(agent, name)].conversation.tokens[:reply.usage.prompt_tokens]
     clean = render_template(read_chat_template(models[name]), messages_of(
         [injected[0], {"role": "user", "content": "hi"}]))
     assert seen.count(marker) == clean.count(CASES[name].markers[0])  # the template's markers, not the user's
@@ -352,7 +353,7 @@ def test_an_agents_next_turn_evaluates_only_the_new_messages(app: Running, clien
     agent = f"turns-{name.replace('.', '-')}"
     history = list(CONVERSATION)
     first = chat(client, name, history, max_tokens=6, user=agent)  # may share cells of another conversation (L10)
-    held = list(app.daemon.agents[agent].conversation.tokens)
+    held = list(app.daemon.agents[user_agent_id(agent, name)].conversation.tokens)
     assert len(held) == first.usage.total_tokens
 
     history += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -364,13 +365,13 @@ def test_an_agents_next_turn_evaluates_only_the_new_messages(app: Running, clien
     # the reply's last token was sampled, never evaluated: the conversation's cells hold all but it
     assert cached == min(common_prefix(held, new), len(held) - 1) >= first.usage.prompt_tokens
     assert second.usage.prompt_evaluated == len(new) - cached
-    assert app.daemon.agents[agent].conversation.tokens[:len(new)] == new
+    assert app.daemon.agents[user_agent_id(agent, name)].conversation.tokens[:len(new)] == new
 
     edited = [{"role": "system", "content": "Be very terse."}, *history[1:]]
     third = chat(client, name, edited, max_tokens=2, user=agent)
     again = llm.tokenize(render_template(template, messages_of(edited)).encode(), add_bos=True, special=True)
     assert third.usage.prompt_tokens_details.cached_tokens == common_prefix(new, again) < first.usage.prompt_tokens
-    tokens = app.daemon.agents[agent].conversation.tokens
+    tokens = app.daemon.agents[user_agent_id(agent, name)].conversation.tokens
     assert len(tokens) == third.usage.prompt_tokens + third.usage.completion_tokens and tokens[:len(again)] == again
 
 

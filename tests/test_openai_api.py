@@ -146,7 +146,7 @@ def test_a_user_conversation_evaluates_only_the_new_turn(app: Running, client: o
     first = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
                                            user="story-agent")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    agent = app.daemon.agents["story-agent"]
+    agent = app.daemon.agents["story-agent@tiny"]  # the user's agent on this model
     assert agent.owner is None and agent.model.key == "tiny"  # registered on first use; outlives the connection
 
     history += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -163,7 +163,8 @@ def test_a_user_conversation_evaluates_only_the_new_turn(app: Running, client: o
     assert 0 < evaluated < first.usage.prompt_tokens / 5  # only the new turn's tokens
     assert usage.prompt_evaluated == evaluated
     record = app.daemon.requests.recent(1)[0]
-    assert record.agent == "story-agent" and record.surface == "openai" and record.prompt_tokens == usage.prompt_tokens
+    assert record.agent == "story-agent@tiny" and record.surface == "openai"
+    assert record.prompt_tokens == usage.prompt_tokens
 
     # The same conversation, stateless: it shares the agent's cells for the history they have in common (SPEC L10),
     # evaluates the rest, and the model says the same.

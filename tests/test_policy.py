@@ -1,4 +1,5 @@
-"""Table-driven unit tests of the pure daemon policies (L4, L7, L11, R4): no models, no clocks, no sleeps."""
+"""Table-driven unit tests of the pure daemon policies (L4, L7, L11, R4, and the idle release of HTTP agents): no
+models, no clocks, no sleeps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 
 from appliance.daemon.policy import (
     AgentView,
+    HolderView,
     ModelView,
+    dozing,
     expired,
     idle_agents,
     inside,
@@ -147,3 +150,40 @@ SWEEP = [
 @pytest.mark.parametrize(("ttls", "want"), SWEEP)
 def test_sweep_period(ttls: list[float], want: float) -> None:
     assert sweep_period(ttls) == want
+
+
+# -- dozing: idle HTTP agents let their model go (issue #26) ----------------------------------------------------
+
+
+def holder(agent: str, model: str = "m", *, dormant: bool = False, releases: bool = True,
+           busy: bool = False) -> HolderView:
+    return HolderView(agent, model, dormant, releases, busy)
+
+
+DOZING = [
+    # (model, holders, now, agents that go dormant or None)
+    (view(refcount=1), [holder("u@m")], 160.0, ["u@m"]),  # idle its TTL, held by one HTTP agent
+    (view(refcount=2), [holder("v@m"), holder("u@m")], 160.0, ["u@m", "v@m"]),
+    (view(refcount=1), [holder("u@m")], 159.9, None),  # not idle long enough
+    (view(refcount=1, ttl=0.0), [holder("u@m")], 1e9, None),  # a TTL of 0: never
+    (view(refcount=1, inflight=1), [holder("u@m")], 160.0, None),  # a stateless request runs
+    (view(refcount=1), [holder("u@m", busy=True)], 160.0, None),  # its agent decodes or waits
+    (view(refcount=2), [holder("u@m"), holder("line", releases=False)], 160.0, None),  # a REGISTER holds it
+    (view(refcount=2), [holder("u@m")], 160.0, None),  # a registration in progress holds a count too
+    (view(refcount=0), [holder("u@m", dormant=True)], 160.0, None),  # nobody holds it: `expired` decides
+    (view(refcount=1), [holder("u@m", dormant=True), holder("w@m")], 160.0, ["w@m"]),
+    (view(refcount=1, loaded=False), [holder("u@m")], 160.0, None),
+    (ModelView("m", True, 1, 0, 100.0, 60.0, retired=True), [holder("u@m")], 160.0, None),  # retiring decides
+    (view(refcount=1), [holder("u@m", model="other")], 160.0, None),  # that agent holds another model
+]
+
+
+@pytest.mark.parametrize(("model", "holders", "now", "want"), DOZING)
+def test_dozing(model: ModelView, holders: list[HolderView], now: float, want: list[str] | None) -> None:
+    assert dozing([model], holders, now) == ({} if want is None else {"m": want})
+
+
+def test_dozing_decides_each_model_on_its_own() -> None:
+    models = [view("a", refcount=1), view("b", refcount=2), view("c", refcount=1, last_used=150.0)]
+    holders = [holder("u@a", "a"), holder("u@b", "b"), holder("line", "b", releases=False), holder("u@c", "c")]
+    assert dozing(models, holders, 160.0) == {"a": ["u@a"]}

@@ -24,6 +24,7 @@ GIB = 1024**3
 
 SLACK_KEY = "engine.hot_pool_slack"
 THRESHOLDS_KEY = "engine.thread_idle_thresholds"
+THREADS_KEY = "engine.threads"
 SLOTS_KEY = "engine.live_slots"
 CONTEXTS_KEY = "engine.live_contexts"
 PRESET_KEYS = ("engine.adaptive_window_size", "engine.adaptive_sample_rate")
@@ -91,13 +92,15 @@ ADVISED: dict[str, AdvisedValues] = {
     PRESET_KEYS[1]: AdvisedValues(PRESET, choices=_preset_values("adaptive_sample_rate")),
     SLACK_KEY: AdvisedValues(NUMBER, *_schema_range(SLACK_KEY)),
     THRESHOLDS_KEY: AdvisedValues(PAIR, 0, 100),
+    THREADS_KEY: AdvisedValues(INTEGER, 0, 1),
     SLOTS_KEY: AdvisedValues(INTEGER, *_schema_range(SLOTS_KEY)),
     CONTEXTS_KEY: AdvisedValues(COUNT_OR_AUTO, 1),
 }
 """The allow-list of ``--apply`` and the admin page's "Apply advice": every config key the advice may change, in
 the order :func:`advise` gives them, with the values its functions can produce (the presets; the slack sweep's
-range; the thresholds :func:`thread_advice` keeps within ``0 <= low < high <= 100``; the slots capped at the
-schema's maximum; the live contexts that fit). A result file is untrusted: anything else in it is refused
+range; the thresholds :func:`thread_advice` keeps within ``0 <= low < high <= 100``; ``engine.threads`` 1 (pinned
+to one) or 0 (the engine chooses) from :func:`pin_advice`; the slots capped at the schema's maximum; the live
+contexts that fit). A result file is untrusted: anything else in it is refused
 (:func:`refusal`)."""
 ADVISED_KEYS = tuple(ADVISED)
 """Every config key the advice may change, in the order :func:`advise` gives them."""
@@ -126,10 +129,16 @@ SLACK_TOLERANCE = 0.05
 """A slack whose TTFT is within this share of the sweep's best counts as near-best."""
 THREAD_TOLERANCE = 0.03
 """A thread count within this share of the curve's best tokens/s counts as best."""
+SLOTS_TOLERANCE = 0.05
+"""A count of streams decoded together whose aggregate tokens/s is within this share of the curve's best counts as
+best: past it more slots add no throughput."""
 DEVICE_SHARE = Fraction(9, 10)
 """The share of the device's memory that models may fill (the ledger's admission, at its default)."""
 THREAD_BANDS = (4, 3)
 """The thread counts above the high idle threshold and between the two (SPEC E4)."""
+ENGINE_LEAST_THREADS = 2
+"""The fewest threads the adaptive engine picks by itself (below the low idle threshold): only ``engine.threads: 1``
+runs one."""
 RECOMMENDATION_FIELDS = ("key", "value", "current", "reason", "model")
 
 
@@ -205,6 +214,18 @@ class ThreadPoint:
 
 
 @dataclass(frozen=True)
+class ConcurrencyPoint:
+    """One point of the concurrency curve: the aggregate tokens/s of ``streams`` greedy streams decoded together."""
+
+    streams: int
+    tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        _check_int("streams", self.streams, 1)
+        _check_figure("tokens_per_s", self.tokens_per_s)
+
+
+@dataclass(frozen=True)
 class ModelFootprint:
     """A configured model's device memory: its weights and its KV cache at its ``n_ctx``."""
 
@@ -233,14 +254,13 @@ class Measurements:
     tokens_per_s: float | None  # the adaptive session's tokens/s
     slack_sweep: tuple[SlackPoint, ...]
     thread_curve: tuple[ThreadPoint, ...]
-    max_in_flight: int  # most requests in flight on one model at once during the session
+    concurrency_curve: tuple[ConcurrencyPoint, ...]  # aggregate tokens/s by streams decoded together
     models: tuple[ModelFootprint, ...]  # every configured model (weights + KV at its n_ctx)
     max_connections: int
     current: Mapping[str, Any]  # the config's current value of each advised key (dotted keys)
 
     def __post_init__(self) -> None:
         _check_optional_figure("tokens_per_s", self.tokens_per_s)
-        _check_int("max_in_flight", self.max_in_flight, 0)
         _check_int("max_connections", self.max_connections, 1)
 
 
@@ -330,7 +350,7 @@ def preset_advice(name: str, current: Mapping[str, Any]) -> list[Recommendation]
     for key in PRESET_KEYS:
         setting = key.removeprefix("engine.")
         value = preset[setting]
-        reason = (f"the {name} device class's preset (SPEC E8): window {preset['adaptive_window_size']} requests, "
+        reason = (f"the {name} device class's preset: window {preset['adaptive_window_size']} requests, "
                   f"profiling every {_ordinal(preset['adaptive_sample_rate'])} request")
         recommendations.append(Recommendation(key, value, current.get(key), reason))
     return recommendations
@@ -404,20 +424,64 @@ def thread_advice(curve: Iterable[ThreadPoint], cores: int, current: Mapping[str
         closed = [str(band) for band in reversed(THREAD_BANDS) if band >= after.threads]
         if closed:
             reason += f": the {' and '.join(closed)}-thread band{'s' if len(closed) > 1 else ''} made unreachable"
-        if after.threads <= min(THREAD_BANDS) - 1:
-            reason += " (2 threads is the engine's least; engine.threads: 1 pins one)"
+        if after.threads <= ENGINE_LEAST_THREADS:
+            reason += f" ({ENGINE_LEAST_THREADS} threads is the engine's least: {THREADS_KEY} is advised apart)"
     return [Recommendation(THRESHOLDS_KEY, [high, low], current.get(THRESHOLDS_KEY), reason)]
 
 
-def slots_advice(max_in_flight: int, current: Mapping[str, Any]) -> list[Recommendation]:
-    """``engine.live_slots``: one slot per request seen in flight on one model at once (at least 1, at most the
-    schema's maximum)."""
-    _check_int("max_in_flight", max_in_flight, 0)
+def pin_advice(curve: Iterable[ThreadPoint], current: Mapping[str, Any]) -> list[Recommendation]:
+    """``engine.threads``: 1 when the curve's best count is one thread (the first count within
+    :data:`THREAD_TOLERANCE` of its fastest: more threads buy nothing, and the adaptive engine never goes below
+    :data:`ENGINE_LEAST_THREADS` by itself); 0 (the engine chooses) when the config pins 1 and the curve's best is
+    more. Any other pin is the operator's and is left alone, as is 0 when one thread is not best. Fewer than two
+    points advise nothing."""
+    points = sorted(curve, key=_threads_of)
+    if len(points) < 2:
+        return []
+    fastest = max(point.tokens_per_s for point in points)
+    best = next(point for point in points if point.tokens_per_s >= fastest * (1 - THREAD_TOLERANCE))
+    now = current.get(THREADS_KEY)
+    shown = ", ".join(f"{point.threads}: {point.tokens_per_s:.1f}" for point in points)
+    measured = f"single-stream decode tokens/s by threads {shown}"
+    if best.threads == 1:
+        reason = (f"{measured}: one thread is within {THREAD_TOLERANCE:.0%} of the best ({fastest:.1f}), so more "
+                  f"threads buy nothing here; the adaptive engine never picks fewer than {ENGINE_LEAST_THREADS} by "
+                  f"itself, so pin one")
+        return [Recommendation(THREADS_KEY, 1, now, reason)]
+    if now == 1:
+        reason = (f"{measured}: {best.threads} threads beat one by more than {THREAD_TOLERANCE:.0%}, so the pin to "
+                  f"one thread costs speed; 0 lets the engine choose from the CPU it can get")
+        return [Recommendation(THREADS_KEY, 0, now, reason)]
+    return []
+
+
+def slots_advice(curve: Iterable[ConcurrencyPoint], current: Mapping[str, Any]) -> list[Recommendation]:
+    """``engine.live_slots`` at the concurrency curve's knee: the fewest streams decoded together whose aggregate
+    tokens/s is within :data:`SLOTS_TOLERANCE` of the curve's best (more slots add KV cells, not throughput), at
+    most the schema's maximum. The session's own agent count is never the advice: every agent of the session sends
+    its turn at once, so the requests it had in flight only echo ``--agents``. Fewer than two points advise
+    nothing."""
+    points = sorted(curve, key=_streams_of)
+    if len(points) < 2:
+        return []
+    counts = [point.streams for point in points]
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"the concurrency curve must measure each stream count once, got {counts}")
     maximum = int(BY_KEY[SLOTS_KEY].maximum)
-    value = min(max(1, max_in_flight), maximum)
-    reason = (f"up to {max_in_flight} requests were in flight on one model at once; a slot each decodes them "
-              f"together instead of parking")
-    if value < max_in_flight:
+    best = max(points, key=_rate_of)
+    knee = next(point for point in points if point.tokens_per_s >= best.tokens_per_s * (1 - SLOTS_TOLERANCE))
+    value = min(knee.streams, maximum)
+    shown = ", ".join(f"{point.streams}: {point.tokens_per_s:.1f}" for point in points)
+    reason = f"aggregate decode tokens/s by streams decoded together {shown}; "
+    largest = points[-1]
+    if knee is largest:
+        reason += (f"still rising at {largest.streams} streams, the most measured: {largest.streams} slots, and "
+                   f"more may help")
+    else:
+        reason += (f"{knee.streams} reach within {SLOTS_TOLERANCE:.0%} of the best ({best.tokens_per_s:.1f} at "
+                   f"{best.streams}): more slots add KV memory, not throughput (agents past the slots wait parked "
+                   f"in host RAM)")
+    if value < knee.streams:
         reason += f" (capped at {SLOTS_KEY}'s maximum {maximum})"
     return [Recommendation(SLOTS_KEY, value, current.get(SLOTS_KEY), reason)]
 
@@ -476,13 +540,14 @@ def instance_advice(
 
 def advise(m: Measurements) -> tuple[tuple[str, str], list[Recommendation]]:
     """The device class (name, reason) and every recommendation, in a fixed order: the preset's window and sample
-    rate, slack, thread thresholds, live slots, live contexts, then each model's instance count."""
+    rate, slack, thread thresholds, the thread pin, live slots, live contexts, then each model's instance count."""
     name, why = device_class(m.machine, m.tokens_per_s)
     recommendations = [
         *preset_advice(name, m.current),
         *slack_advice(m.slack_sweep, m.current),
         *thread_advice(m.thread_curve, m.machine.cores, m.current),
-        *slots_advice(m.max_in_flight, m.current),
+        *pin_advice(m.thread_curve, m.current),
+        *slots_advice(m.concurrency_curve, m.current),
         *contexts_advice(m.models, m.machine, m.current),
         *instance_advice(m.models, m.machine, m.max_connections),
     ]
@@ -605,6 +670,14 @@ def _ttft_of(point: SlackPoint) -> float:
 
 def _threads_of(point: ThreadPoint) -> int:
     return point.threads
+
+
+def _streams_of(point: ConcurrencyPoint) -> int:
+    return point.streams
+
+
+def _rate_of(point: ConcurrencyPoint) -> float:
+    return point.tokens_per_s
 
 
 def _total_of(model: ModelFootprint) -> int:

@@ -138,9 +138,10 @@ class BenchmarkJob:
                          tuple(self.tail))
 
     async def start(self, config_path: Path | None, folder: Path, *, quick: bool,
-                    socket: Path | None = None) -> JobStatus:
+                    socket: Path | None = None, model: str | None = None) -> JobStatus:
         """Start a run on ``config_path`` writing its result into ``folder``; with ``socket``, in place on the
-        appliance answering there (``--socket``). Refused (``BENCHMARK_RUNNING``) while one runs; ``BAD_REQUEST``
+        appliance answering there (``--socket``); with ``model``, on that configured model (``--model``, else the
+        config's first). Refused (``BENCHMARK_RUNNING``) while one runs; ``BAD_REQUEST``
         without a config file; ``INTERNAL`` when the child cannot be started."""
         if self.state == "running":
             progress = self.progress or Step(0, 0, "starting")
@@ -160,6 +161,8 @@ class BenchmarkJob:
         argv = self.command(config_path, out, quick)
         if socket is not None:
             argv += ["--socket", str(socket)]
+        if model is not None:
+            argv += ["--model", model]
         self.in_place = socket is not None
         self.argv = argv
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from appliance.benchmark import quality
+
 MIB = 1024 * 1024
 ROWS = (
     ("ttft_avg_ms", "TTFT avg (ms)", 1.0, ".1f"),
@@ -55,6 +57,22 @@ def curve_line(result: Mapping[str, Any]) -> str:
         points or "not measured")
 
 
+def streams_line(result: Mapping[str, Any]) -> str:
+    """The concurrency curve (absent from results older than it)."""
+    points = ", ".join(f"{point['streams']}: {point['tokens_per_s']:.1f}"
+                       for point in result.get("concurrency_curve") or [])
+    return "aggregate decode tokens/s by streams decoded together: " + (points or "not measured")
+
+
+def caveat_lines(result: Mapping[str, Any]) -> list[str]:
+    """What the result's figures are worth: each caveat on its line, or that there are none."""
+    found = quality.result_caveats(result)
+    if not found:
+        return ["caveats: none (a full run, repeated, on an uncontended box)"]
+    return [f"caveats ({quality.labels(found)}): measure again before acting on this advice",
+            *(f"  {caveat.text}" for caveat in found)]
+
+
 def advice_lines(result: Mapping[str, Any]) -> list[str]:
     device = result["device_class"]
     lines = [f"device class: {device['name']} ({device['reason']})"]
@@ -87,6 +105,9 @@ def headline(result: Mapping[str, Any]) -> str:
             f"peak memory {change(gain['peak_memory_bytes'])} "
             f"(+ = adaptive better); device class {result['device_class']['name']}; {len(applicable)} setting(s) "
             f"to change")
+    found = quality.result_caveats(result)
+    if found:
+        text += f"; CAVEATS: {quality.labels(found)}"
     if not result["complete"]:
         text += f"; INCOMPLETE: {len(result['errors'])} failed turn(s)"
     return text
@@ -99,9 +120,9 @@ def text(result: Mapping[str, Any]) -> str:
     lines = [f"model {model['name']} ({model['path']}, n_ctx {model['n_ctx']}); {result['workload']['description']}",
              f"box: {machine['cores']} cores, {machine['memory_bytes'] / 2**30:.1f} GiB RAM, device "
              f"{machine['device_kind']} {machine['device_total_bytes'] / 2**30:.1f} GiB; "
-             f"fixed = {result['strategies']['fixed']['label']}",
-             "", *table_lines(result), "", *sweep_lines(result), curve_line(result),
-             f"most requests in flight at once: {result['concurrency']['max_in_flight']}", "",
+             f"fixed = {result['strategies']['fixed']['label']}", *caveat_lines(result),
+             "", *table_lines(result), "", *sweep_lines(result), curve_line(result), streams_line(result),
+             f"most requests in flight at once during the session: {result['concurrency']['max_in_flight']}", "",
              *advice_lines(result)]
     for problem in result["errors"]:
         lines.append(f"failed: {problem}")

@@ -1,5 +1,7 @@
 """One ``appliance benchmark`` run (SPEC B1, B2): the agent session on a configured model, fixed against adaptive,
-then the measurements the advice rests on (a ``hot_pool_slack`` sweep and the thread-count curve), then the advice.
+then the measurements the advice rests on (a ``hot_pool_slack`` sweep, the thread-count curve and the concurrency
+curve), then the advice and the run's caveats (:mod:`appliance.benchmark.quality`: the CPU other processes used
+meanwhile is read from ``/proc/stat`` around the whole run, less the ticks of the run's own processes).
 
 Every measurement runs ``appliance run`` in a process of its own (:mod:`appliance.benchmark.servers`) with a config
 the run writes: the operator's config with the chosen model only, its own state folder, socket and port, and the
@@ -9,10 +11,12 @@ may be running on the same config is not touched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -24,7 +28,7 @@ import httpx
 import yaml
 
 from appliance.app import ensure_demo_models
-from appliance.benchmark import advice, inplace, report
+from appliance.benchmark import advice, inplace, quality, report
 from appliance.benchmark.inplace import RunningAppliance
 from appliance.benchmark.progress import Progress
 from appliance.benchmark.servers import appliance_process, free_port, state_folder
@@ -55,6 +59,7 @@ from appliance.daemon import statefiles
 from appliance.daemon.adaptive import usable_cores
 from appliance.daemon.devices import physical_memory
 from appliance.engine.gguf_meta import estimate, read_model_shape
+from appliance.engine.tuning import parse_proc_stat
 from appliance.errors import ApplianceError
 from appliance.protocol.lines import parse_fields, parse_reply
 
@@ -64,6 +69,11 @@ NEEDED_N_CTX = DOCUMENT_PHASE_INPUT[1] + LONG_OUTPUT + ROLLOVER_MARGIN
 FULL_SLACKS = (1.0, 1.05, 1.1, 1.2, 1.5)
 QUICK_SLACKS = (1.0, 1.2, 1.5)
 MAX_THREAD_POINTS = 8
+FULL_STREAMS = (1, 2, 4, 8, 16)
+QUICK_STREAMS = (1, 2, 4)
+"""The concurrency curve's counts of streams decoded together (the ``engine.live_slots`` advice rests on it)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+"""The unit of /proc's CPU times (USER_HZ)."""
 DECODE_PROMPT_WORDS = 16
 SWEEP_KEYS = ("ttft_avg_ms", "ttft_p99_ms", "peak_memory_bytes", "tokens_per_s")
 SWEEP_SAMPLE_RATE = 1
@@ -98,25 +108,28 @@ class Scale:
     decode_tokens: int
     decode_repeats: int
     repeats: int = 1
+    stream_counts: tuple[int, ...] = QUICK_STREAMS
 
     @property
     def steps(self) -> int:
-        """Progress steps: every round of the two strategies and of the sweep (each repetition), and every thread
-        count."""
-        return self.repeats * (2 * self.rounds + len(self.slacks) * self.sweep_rounds) + len(self.thread_counts)
+        """Progress steps: every round of the two strategies and of the sweep (each repetition), every thread
+        count and every stream count."""
+        return (self.repeats * (2 * self.rounds + len(self.slacks) * self.sweep_rounds) + len(self.thread_counts)
+                + len(self.stream_counts))
 
 
 def scale_of(options: Options, cores: int) -> Scale:
     """The run's size: the seed's session (4 agents, 20 rounds) or ``--quick`` (2 agents, 3 rounds, three slacks,
-    one and two threads), each overridable by ``--agents`` / ``--rounds``."""
+    one and two threads, 1 to 4 streams), each overridable by ``--agents`` / ``--rounds``."""
     if options.quick:
         agents = options.agents or 2
         rounds = options.rounds or 3
-        return Scale(agents, rounds, QUICK_SLACKS, rounds, tuple(sorted({1, min(2, cores)})), 32, 1, options.repeats)
+        return Scale(agents, rounds, QUICK_SLACKS, rounds, tuple(sorted({1, min(2, cores)})), 32, 1, options.repeats,
+                     QUICK_STREAMS)
     agents = options.agents or 4
     rounds = options.rounds or 20
     counts = tuple(range(1, min(cores, MAX_THREAD_POINTS) + 1))
-    return Scale(agents, rounds, FULL_SLACKS, max(4, rounds // 2), counts, 64, 3, options.repeats)
+    return Scale(agents, rounds, FULL_SLACKS, max(4, rounds // 2), counts, 64, 3, options.repeats, FULL_STREAMS)
 
 
 def configured(path: Path) -> Config:
@@ -150,7 +163,8 @@ def child_config(config: Config, model: ModelConfig, state: Path, port: int, eng
     """The config of one measurement's appliance: the operator's device, admission and engine settings with
     ``engine`` on top, the chosen model alone (never unloaded), and its own state folder, socket and port."""
     entry: dict[str, Any] = {"name": model.name, "path": str(model.path), "n_ctx": model.n_ctx,
-                             "n_gpu_layers": model.n_gpu_layers, "idle_ttl_s": 0, "cache_type": model.cache_type}
+                             "n_gpu_layers": "auto" if model.n_gpu_layers is None else model.n_gpu_layers,
+                             "idle_ttl_s": 0, "cache_type": model.cache_type}
     if model.vram_bytes is not None:
         entry["vram_bytes"] = model.vram_bytes
     document = {
@@ -283,6 +297,101 @@ def decode_tokens_per_s(served: Served, tokens: int, repeats: int) -> float | No
     return statistics.median(rates) if rates else None
 
 
+@dataclass(frozen=True)
+class StreamTiming:
+    """One stream of the concurrency curve as the client saw it: its first and last text (``time.perf_counter``)
+    and the tokens it generated (None: it produced no text)."""
+
+    first: float | None
+    last: float | None
+    generated: int
+
+
+def aggregate_tokens_per_s(streams: list[StreamTiming]) -> float | None:
+    """The streams' aggregate decode speed: the tokens after each stream's first, over the time from the first
+    stream's first text to the last one's last; None when a stream produced fewer than two tokens."""
+    if not streams or any(s.first is None or s.last is None or s.generated < 2 for s in streams):
+        return None
+    start = min(s.first for s in streams if s.first is not None)
+    end = max(s.last for s in streams if s.last is not None)
+    if end <= start:
+        return None
+    return sum(s.generated - 1 for s in streams) / (end - start)
+
+
+def stream_timing(base_url: str, body: Mapping[str, Any]) -> StreamTiming:
+    """One greedy completion streamed on a connection of its own (the engine takes turns between connections)."""
+    first = None
+    last = None
+    generated = 0
+    with httpx.Client(base_url=base_url, timeout=600) as http:
+        for chunk in completion_chunks(http, body):
+            usage = chunk.get("usage")
+            if usage:
+                generated = int(usage.get("completion_tokens", 0))
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            last = now
+    return StreamTiming(first, last, generated)
+
+
+def concurrent_tokens_per_s(served: Served, streams: int, tokens: int, repeats: int) -> float | None:
+    """The median aggregate decode speed of ``streams`` greedy ``tokens``-token completions sent at once (stateless,
+    each on its own connection), or None when a repetition failed or stopped early."""
+    prompt = " ".join(PROMPT_WORDS[:DECODE_PROMPT_WORDS])
+    body = {"model": served.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    rates = []
+    for _ in range(repeats):
+        rate = streams_at_once(served.base_url, body, streams)
+        if rate is None:
+            return None
+        rates.append(rate)
+    return statistics.median(rates) if rates else None
+
+
+def streams_at_once(base_url: str, body: Mapping[str, Any], streams: int) -> float | None:
+    """:func:`aggregate_tokens_per_s` of ``streams`` copies of ``body`` sent at once; None when one failed."""
+    timings: list[StreamTiming | None] = [None] * streams
+
+    def one(index: int) -> None:
+        with contextlib.suppress(RuntimeError, httpx.HTTPError):  # a failed stream leaves None: no figure
+            timings[index] = stream_timing(base_url, body)
+
+    workers = [threading.Thread(target=one, args=(index,), daemon=True) for index in range(streams)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    done = [timing for timing in timings if timing is not None]
+    return aggregate_tokens_per_s(done) if len(done) == streams else None
+
+
+def own_ticks(target: int | None, in_place: bool) -> int | None:
+    """The clock ticks the benchmark's own processes used so far: this one and the appliance processes it started
+    and waited for (``os.times``), and in place the running appliance (``target``, its process id); None when that
+    process cannot be read (its id unknown, or it is gone)."""
+    times = os.times()
+    ticks = round((times.user + times.system + times.children_user + times.children_system) * CLOCK_TICKS)
+    if not in_place:
+        return ticks
+    if target is None:
+        return None
+    try:
+        with open(f"/proc/{target}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return ticks + sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime (proc(5) 14-17)
+
+
+def proc_stat() -> tuple[int, ...]:
+    with open("/proc/stat") as fh:
+        return parse_proc_stat(fh.read())
+
+
 def device_of(served: Served) -> tuple[str, int]:
     """The measured appliance's memory device: its kind and total bytes (STATUS ``device`` record)."""
     reply = parse_reply(line_request(served.socket, "STATUS", timeout=30))
@@ -349,6 +458,9 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
     """Every measurement at ``place``, the advice, and the result document."""
     cores = usable_cores()
     scale = scale_of(options, cores)
+    target = None if options.running is None else options.running.pid
+    in_place = options.running is not None
+    cpu_before, ticks_before = proc_stat(), own_ticks(target, in_place)
     workload = session_workload(scale.agents, scale.rounds, options.seed)
     fixed = fixed_strategy(model.n_ctx)
     progress.start(scale.steps)
@@ -386,6 +498,28 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         if rate is not None:
             curve.append({"threads": threads, "tokens_per_s": rate})
 
+    streams_curve = []
+    counts = scale.stream_counts
+    if in_place:  # a loaded model keeps the live_slots it was loaded with: measure within them
+        counts = tuple(count for count in counts if count <= config.engine.live_slots)
+    engine = {"adaptive": False} if in_place else {"adaptive": False, "live_slots": max(counts)}
+    with place.measure(engine, "concurrency") as served:
+        for streams in scale.stream_counts:
+            rate = None
+            if streams in counts:
+                rate = concurrent_tokens_per_s(served, streams, scale.decode_tokens, scale.decode_repeats)
+            progress.advance(f"{streams} streams: {'-' if rate is None else f'{rate:.1f}'} tokens/s")
+            if rate is not None:
+                streams_curve.append({"streams": streams, "tokens_per_s": rate})
+    ticks_after = own_ticks(target, in_place)
+    cpu_after = proc_stat()
+    cpu: dict[str, Any] = {"others_share": None, "contended_from": quality.CONTENDED_SHARE}
+    if ticks_before is not None and ticks_after is not None:
+        use = quality.cpu_use(cpu_before, cpu_after, max(0, ticks_after - ticks_before))
+        cpu.update(others_share=use.others_share, total_ticks=use.total_ticks, busy_ticks=use.busy_ticks,
+                   own_ticks=use.own_ticks)
+    caveats = quality.caveats(quality.RunQuality(options.quick, scale.repeats, cpu["others_share"]))
+
     models, skipped = footprints(config)
     device_kind, device_total = runs["adaptive"][0].device
     machine = advice.Machine(cores=cores, memory_bytes=physical_memory(), device_kind=device_kind,
@@ -394,7 +528,7 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         machine=machine, tokens_per_s=adaptive_figures["tokens_per_s"],
         slack_sweep=tuple(advice.SlackPoint(**point) for point in sweep),
         thread_curve=tuple(advice.ThreadPoint(**point) for point in curve),
-        max_in_flight=in_flight, models=tuple(models),
+        concurrency_curve=tuple(advice.ConcurrencyPoint(**point) for point in streams_curve), models=tuple(models),
         max_connections=config.max_connections,
         current=advice.current_settings(config))
     device_class, recommendations = advice.advise(measurements)
@@ -424,7 +558,10 @@ def measurements(options: Options, config: Config, model: ModelConfig, place: Pl
         "sweep": {"rounds": scale.sweep_rounds, "adaptive_sample_rate": SWEEP_SAMPLE_RATE},
         "thread_curve": curve,
         "decode": {"tokens": scale.decode_tokens, "repeats": scale.decode_repeats},
+        "concurrency_curve": streams_curve,
         "concurrency": {"max_in_flight": in_flight, "models_in_use": 1},
+        "cpu": cpu,
+        "caveats": [{"label": caveat.label, "text": caveat.text} for caveat in caveats],
         "models_skipped": skipped,
         "device_class": {"name": device_class[0], "reason": device_class[1]},
         "advice": [recommendation.to_dict() for recommendation in recommendations],

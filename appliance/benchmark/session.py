@@ -7,8 +7,8 @@ sends its turn at the same time (``POST /v1/completions``, streamed, greedy, ``u
 whole history re-sent as OpenAI clients do: the appliance decodes only the new text) and the next round starts when
 all have answered. A turn adds a tool result or user turn of random text (common English words, one token each in
 the tiny models' vocabulary, seeded) and asks for a short tool call (``max_tokens`` 16) or a long answer (128). When a
-conversation would pass the model's ``n_ctx`` the agent starts a new one (a new ``user``) and unregisters the one it
-left, as a client would.
+conversation would pass the model's ``n_ctx`` (its answers counted at most: :meth:`AgentState.answered`) the agent
+starts a new one (a new ``user``) and unregisters the one it left, as a client would.
 
 Figures: TTFT (client side: request sent to first streamed text) average and P99 over every turn; tokens/s =
 generated tokens / the rounds' wall time; peak memory = the appliance process's VmHWM at the end; memory growth =
@@ -33,6 +33,7 @@ import httpx
 
 from appliance.client.lines import request as line_request
 from appliance.errors import ApplianceError
+from appliance.protocol.identifiers import user_agent_id
 
 SHORT_OUTPUT = 16
 """``max_tokens`` of a tool call."""
@@ -293,8 +294,11 @@ class AgentState:
         return self.history + step.text
 
     def answered(self, prompt: str, result: TurnResult) -> None:
+        """The conversation now holds ``prompt`` and the answer. Its tokens as the next turn re-sends them are
+        counted at most: the answer's text may tokenize into more tokens than were generated (random weights write
+        pieces that re-tokenize apart), never into more than its UTF-8 bytes."""
         self.history = prompt + result.text
-        self.held_tokens = result.prompt_tokens + result.completion_tokens
+        self.held_tokens = result.prompt_tokens + max(result.completion_tokens, len(result.text.encode("utf-8")))
 
 
 def stream_turn(http: httpx.Client, model: str, prompt: str, result: TurnResult) -> None:
@@ -341,11 +345,13 @@ class RoundSample:
 
 
 def unregister(served: Served, user: str) -> None:
-    """Unregister a conversation its agent left (line protocol ``UNREGISTER``): done after the round in which the
-    agent's new conversation registered, so the model always keeps an agent."""
-    reply = line_request(served.socket, f"UNREGISTER {user}", timeout=60)
+    """Unregister a conversation its agent left (line protocol ``UNREGISTER`` of the user's agent on the model,
+    ``<user>@<model>``): done after the round in which the agent's new conversation registered, so the model always
+    keeps an agent."""
+    agent = user_agent_id(user, served.model)
+    reply = line_request(served.socket, f"UNREGISTER {agent}", timeout=60)
     if not reply.startswith("OK"):
-        raise RuntimeError(f"UNREGISTER {user} failed: {reply.strip()}")
+        raise RuntimeError(f"UNREGISTER {agent} failed: {reply.strip()}")
 
 
 def choices_of(document: dict[str, Any]) -> list[dict[str, Any]]:

@@ -136,6 +136,31 @@ def parse_mode(value: Any) -> int:
     return mode
 
 
+ORIGIN_PORTS = {"http": 80, "https": 443}
+"""The schemes an origin may have, and the port each implies (omitted from an origin's canonical spelling)."""
+_ORIGIN = re.compile(r"([a-z][a-z0-9+.-]*)://([a-z0-9_](?:[a-z0-9_.-]{0,252})|\[[0-9a-f:.]{2,45}\])(?::([0-9]{1,5}))?",
+                     re.ASCII)
+ANY_ORIGIN = "*"
+
+
+def parse_origin(value: Any) -> str:
+    """A web origin (``scheme://host[:port]``, as a browser's ``Origin`` header spells it) in its canonical
+    spelling: lower-cased, the scheme's default port left out; ``ValueError`` for anything else (a path, a
+    trailing slash, a scheme other than http and https, a port over 65535)."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    match = _ORIGIN.fullmatch(text)
+    problem = f"must be an origin like 'https://app.example.com' or 'http://localhost:3000': http or https, a host, " \
+              f"an optional port, no path (got {show(value)})"
+    if match is None:
+        raise ValueError(problem)
+    scheme, host, port = match.groups()
+    if scheme not in ORIGIN_PORTS or (port is not None and int(port) > 65535) or ".." in host:
+        raise ValueError(problem)
+    if port is None or int(port) == ORIGIN_PORTS[scheme]:
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{int(port)}"
+
+
 # --- value kinds: YAML value -> Python value, or ValueError ----------------------------------------------------------
 
 
@@ -198,6 +223,18 @@ def _to_hosts(value: Any) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def _to_origins(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of origins (got {show(value)})")
+    origins: list[str] = []
+    for item in value:
+        origin = ANY_ORIGIN if isinstance(item, str) and item.strip() == ANY_ORIGIN else parse_origin(item)
+        if origin in origins:
+            raise ValueError(f"origin {origin!r} is listed twice")
+        origins.append(origin)
+    return tuple(origins)
+
+
 def _to_aliases(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise ValueError(f"must be a list of names (got {show(value)})")
@@ -229,6 +266,15 @@ def _to_auto_count(value: Any) -> int | None:
     return count
 
 
+def _to_gpu_layers(value: Any) -> int | None:
+    """``auto`` (None: as many layers as the ledger admits) or a count (-1 = all)."""
+    if value == "auto":
+        return None
+    if not _is_int(value):
+        raise ValueError(f"must be `auto` or an integer (got {show(value)})")
+    return value
+
+
 def _to_pair(value: Any) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and _is_int(value[1])):
         raise ValueError(f"must be a list of two integers (got {show(value)})")
@@ -257,8 +303,10 @@ DEVICE = Kind("device", parse_device)
 MODE = Kind("octal mode", parse_mode, text=True)
 PAIR = Kind("two integers", _to_pair)
 HOSTS = Kind("list of host names", _to_hosts)
+ORIGINS = Kind("list of origins", _to_origins)
 ALIASES = Kind("list of names", _to_aliases)
 AUTO_COUNT = Kind("`auto` or integer", _to_auto_count)
+GPU_LAYERS = Kind("`auto` or integer", _to_gpu_layers)
 
 
 class _Required:
@@ -392,7 +440,7 @@ _GEN = "models[].generate_if_missing"
 SECTIONS: tuple[Section, ...] = (
     Section("socket", "The Unix socket (MAGN frames and the line protocol)."),
     Section("http", "The HTTP server: OpenAI API, health, metrics, admin page."),
-    Section("engine", "The adaptive engine (SPEC E)."),
+    Section("engine", "The adaptive engine."),
     Section("models", "The configured models; each is served under its name.", many=True),
     Section(
         _GEN,
@@ -516,6 +564,14 @@ SETTINGS: tuple[Setting, ...] = (
         "allows its subdomains, `*` any name (turns the check off: only behind a proxy that checks it).",
     ),
     Setting(
+        "http.cors_origins", ORIGINS, [],
+        "Web origins (`scheme://host[:port]`) whose pages may call the API (`/v1/…`, `/health`) from a browser: "
+        "their requests get CORS headers and pass the cross-origin check (never on /admin/); each still needs "
+        "http.api_token when one is set, sent as a header (the admin session cookie does not count). `*`: any "
+        "origin, only with http.api_token (without one, any page a visitor opens could use the API). Empty: "
+        "cross-origin browser requests are refused.",
+    ),
+    Setting(
         "http.keep_alive_timeout_s", FLOAT, 5,
         "Close an idle keep-alive HTTP connection after this many seconds.",
         minimum=0.1, maximum=3600,
@@ -599,7 +655,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "models[].path", PATH, REQUIRED,
-        "GGUF file; must exist unless generate_if_missing is set.",
+        "GGUF file. One that is not there does not make the config invalid: the other models serve, this one is "
+        "`missing` (health `degraded` naming this line, its requests refused with `MODEL_MISSING`) until the file "
+        "is there, without a reload; generate_if_missing writes a demo model there at start instead.",
         live=False,
     ),
     Setting(
@@ -613,8 +671,12 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=16, maximum=1 << 20, live=False,
     ),
     Setting(
-        "models[].n_gpu_layers", INT, 0,
-        "Layers offloaded to the GPU; -1 = all.",
+        "models[].n_gpu_layers", GPU_LAYERS, 0,
+        "Layers offloaded to the GPU (llama.cpp counts the blocks and the output layer): 0 = none, -1 = all, `auto` "
+        "= as many as the ledger's free bytes hold when the model loads. Only the offloaded layers' weights and KV "
+        "cache count against the GPU's ledger; the rest is in host RAM. Where no layer can be offloaded (the device "
+        "is `host`, or the tests' `fake:`, or llama.cpp was built without GPU support) the model runs on the CPU, "
+        "with a warning when a number other than 0 was asked for; `auto` then means the CPU.",
         minimum=-1, maximum=100000, live=False,
     ),
     Setting(

@@ -7,7 +7,8 @@ Built by :func:`appliance.config.validate.parse_config`; field names are the key
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ class ModelConfig:
     aliases: tuple[str, ...]
     vram_bytes: int | None  # None = auto (estimated from GGUF metadata)
     n_ctx: int
-    n_gpu_layers: int  # -1 = all
+    n_gpu_layers: int | None  # -1 = all; None = auto (as many as the ledger admits)
     idle_ttl_s: float  # 0 = never unload
     embeddings: bool  # an embeddings context of its own (POST /v1/embeddings)
     reasoning: str  # "split" | "inline": what a template's <think>…</think> becomes
@@ -52,6 +53,7 @@ class HttpConfig:
     port: int
     api_token: str | None
     allowed_hosts: tuple[str, ...]
+    cors_origins: tuple[str, ...]
     keep_alive_timeout_s: float
 
 
@@ -96,6 +98,8 @@ class Config:
     shutdown_grace_s: float  # SIGTERM: how long running requests may still take
     engine: EngineConfig
     models: tuple[ModelConfig, ...]
+    lines: Mapping[str, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """The 1-based line of each key path's value in the file (``models[2].path`` -> 31); not a setting."""
 
     def model(self, name: str) -> ModelConfig | None:
         """The configured model called ``name``, or None."""

@@ -3,8 +3,9 @@
 Pure: :func:`parse_config` takes text and returns a frozen :class:`Config`, or raises :class:`ConfigInvalid`
 with every :class:`Problem` at once, each with its key path and 1-based line (from the YAML node marks).
 
-The only IO is :func:`load_config` reading the file and the model-file existence check, which ``check_files``
-turns off (False) or replaces (a ``Path -> bool`` callable).
+The only IO is :func:`load_config` reading the file and, when asked (``check_files``), the model-file existence
+check. A missing model file does not make a config invalid: the appliance serves the other models and that one as
+``missing`` (:mod:`appliance.config.modelfiles` lists them, with their lines); ``check_files`` makes it a problem.
 
 The config's dataclasses live in :mod:`appliance.config.types` and :func:`diff` (hot reload, C3) in
 :mod:`appliance.config.diff`; both are re-exported here, so ``from appliance.config.validate import Config, diff,
@@ -19,7 +20,7 @@ import ipaddress
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ def _is_null(node: Node) -> bool:
 
 MAX_NUMBER_DIGITS = 30
 """A number written with more digits is refused before it is converted (no setting needs more than 20)."""
-_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS, schema.HOSTS, schema.ALIASES)
+_TEXT_KINDS = (schema.STR, schema.PATH, schema.PATHS, schema.HOSTS, schema.ORIGINS, schema.ALIASES)
 _NUMBER = re.compile(r"[-+]?[0-9_]*\.?[0-9_]*(?:[eE][-+]?[0-9]+)?[A-Za-z]*")
 
 
@@ -379,6 +380,30 @@ def _command_line_path(path: Path) -> Path:
     return Path(os.path.normpath(os.path.abspath(Path(path).expanduser())))
 
 
+def _command_line_setting(validator: _Validator, values: dict[str, Any], key: str, text: str) -> None:
+    """Put ``text``, the value a command line gives the setting ``key`` (``http.port``), in place of the file's:
+    converted and checked as the file's value would be (a text setting's value is taken as written; others read
+    as a YAML scalar, so ``8080`` is a number); a refusal is reported under ``key``, without a line."""
+    setting = schema.BY_KEY.get(key)
+    if setting is None or "[]" in key:
+        raise ValueError(f"{key!r} is not a setting a command line can give")
+    section = values
+    for name in key.split(".")[:-1]:
+        section = section[name]
+        if section is _BAD:  # that section is already refused
+            return
+    tag = "tag:yaml.org,2002:str"
+    if setting.kind not in _TEXT_KINDS:
+        tag = validator._yaml.resolve(ScalarNode, text, (True, False))
+    validator.lines.pop(key, None)  # the file's line no longer says where the value comes from
+    value = validator._refusal(setting, ScalarNode(tag, text))
+    if isinstance(value, _Refused):
+        message = secrets.hidden_value(value.message) if setting.secret else value.message
+        validator.report(key, None, f"{message} (given on the command line)")
+        value = _BAD
+    section[setting.name] = value
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str, resolve: Resolve, **extra: Any) -> Any:
     """``cls(**values)``, sub-sections built recursively and paths resolved; ``extra`` fields as given."""
     kwargs = dict(extra)
@@ -451,8 +476,14 @@ def _check_aliases(validator: _Validator, models: list[Any], names: dict[str, in
 
 
 def _check_http(validator: _Validator, http: Any) -> None:
-    """A non-loopback HTTP host needs an API token."""
-    if http is _BAD or http["host"] is _BAD:
+    """A non-loopback HTTP host needs an API token, and so does ``http.cors_origins: ["*"]``."""
+    if http is _BAD:
+        return
+    if http["cors_origins"] is not _BAD and schema.ANY_ORIGIN in http["cors_origins"] and http["api_token"] is None:
+        validator.report("http.cors_origins", validator.lines.get("http.cors_origins"),
+                         "'*' (any origin) requires http.api_token: without one, any web page a visitor opens "
+                         "could use the API; list the origins instead")
+    if http["host"] is _BAD:
         return
     if http["api_token"] is None and not _is_loopback(http["host"]):
         validator.report("http.host", validator.lines.get("http.host"),
@@ -558,19 +589,24 @@ def parse_config(
     *,
     source: Path | None = None,
     base_dir: Path | None = None,
-    check_files: bool | Callable[[Path], bool] = True,
+    check_files: bool | Callable[[Path], bool] = False,
     data_dir: Path | None = None,
     socket_path: Path | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> Config:
     """Validate ``text`` and return its :class:`Config`; raise :class:`ConfigInvalid` with all problems.
 
     Relative paths resolve against ``base_dir`` (default: ``source``'s folder, else the current folder).
-    ``check_files``: True checks that model files exist (``Path.is_file``), a callable replaces that check,
-    False skips it; a model with ``generate_if_missing`` is exempt.
+    ``check_files``: True also refuses a model file that does not exist (``Path.is_file``; a callable replaces
+    that check); a model with ``generate_if_missing`` is exempt. By default (False) a missing file is no problem:
+    the appliance serves that model as ``missing`` until the file appears.
 
     ``data_dir`` and ``socket_path`` (``appliance run --data-dir/--socket``: systemd's state and runtime
     folders) replace the file's ``data_dir`` and ``socket.path``; ``{data_dir}/…`` paths follow the given
     ``data_dir``. They come from a command line, so a relative one resolves against the current folder.
+
+    ``settings``: values of settings by key as a command line gives them (``appliance run --host/--port``:
+    ``{"http.port": "8081"}``); each replaces the file's and is validated as the file's would be.
     """
     file = DEFAULT_FILE if source is None else str(source)
     base = _base_folder(source, base_dir)
@@ -581,6 +617,8 @@ def parse_config(
         values["data_dir"] = _command_line_path(data_dir)
     if socket_path is not None and values["socket"] is not _BAD:
         values["socket"]["path"] = _command_line_path(socket_path)
+    for key, text in (settings or {}).items():
+        _command_line_setting(validator, values, key, text)
 
     state_dir = None
     if values["data_dir"] is not _BAD:
@@ -601,19 +639,20 @@ def parse_config(
 
     if validator.problems:
         raise ConfigInvalid(validator.problems, source)
-    return _build(Config, values, "", resolve, source=source, base_dir=base)
+    return _build(Config, values, "", resolve, source=source, base_dir=base, lines=dict(validator.lines))
 
 
 def load_config(
     path: str | os.PathLike[str],
     *,
-    check_files: bool | Callable[[Path], bool] = True,
+    check_files: bool | Callable[[Path], bool] = False,
     data_dir: Path | None = None,
     socket_path: Path | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> Config:
     """Read and parse the file at ``path``; an unreadable file raises :class:`ConfigInvalid` too.
 
-    ``data_dir`` and ``socket_path`` override the file's, as in :func:`parse_config`."""
+    ``data_dir``, ``socket_path`` and ``settings`` override the file's, as in :func:`parse_config`."""
     source = Path(path)
     try:
         with source.open("rb") as file:
@@ -623,7 +662,8 @@ def load_config(
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid([Problem("", None, f"cannot read the file: {exc}", str(source))], source) from None
-    return parse_config(text, source=source, check_files=check_files, data_dir=data_dir, socket_path=socket_path)
+    return parse_config(text, source=source, check_files=check_files, data_dir=data_dir, socket_path=socket_path,
+                        settings=settings)
 
 
 def default_config(base_dir: str | os.PathLike[str]) -> Config:

@@ -27,6 +27,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from appliance.daemon import offload
 from appliance.daemon.model import Model, cold_key, context_key, next_key
 from appliance.engine import gguf_meta, tuning
 from appliance.engine.adaptive import POOL_GRANULARITY, CpuShare, Settings, Tuner, Tuning, cpu_share
@@ -177,14 +178,15 @@ class AdaptiveLoop:
 
     # -- ledger figures ---------------------------------------------------------------------------------
     def context_bytes(self, model: Model, cells: int) -> int:
-        """The ledger figure of a context of ``cells`` KV cells for ``model`` (KV + compute margin); 0 with an
-        operator's ``vram_bytes`` (that one figure covers every context)."""
+        """The ledger figure of a context of ``cells`` KV cells for ``model`` (the KV cache of the layers its
+        placement offloads + compute margin); 0 with an operator's ``vram_bytes`` (that one figure covers every
+        context)."""
         spec = model.spec
         if spec.vram_bytes is not None:
             return 0
         if model.shape is None:
             model.shape = gguf_meta.read_model_shape(spec.path)
-        table = gguf_meta.estimate(model.shape, cells, spec.cache_type)
+        table = gguf_meta.estimate(model.shape, cells, spec.cache_type, offload.ledger_layers(model.offload))
         return table.kv + table.compute
 
     def reserve(self, key: str, nbytes: int) -> None:
@@ -271,7 +273,7 @@ class AdaptiveLoop:
         current = runtime.tuning
         if wanted.threads != current.threads:
             await self.daemon.engine.call(runtime.set_threads, wanted.threads, queue=("tune", model.key))
-            log.info("model %s: %d threads (CPU share %.0f%% of %d cores)", model.key, wanted.threads,
+            log.debug("model %s: %d threads (CPU share %.0f%% of %d cores)", model.key, wanted.threads,
                      self.cpu.percent if self.cpu else 100.0, self.cores)
         tuner.applied(Tuning(current.pool_cells, current.plan, wanted.threads))
         if threads_only or (wanted.pool_cells, wanted.plan) == (current.pool_cells, current.plan):

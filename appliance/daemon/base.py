@@ -4,7 +4,7 @@
 The daemon is one class composed of parts, one module each: models and agents (:mod:`appliance.daemon.core`, the
 ``Daemon`` itself), requests and the step loop (:mod:`appliance.daemon.requests`), the live-context budget
 (:mod:`appliance.daemon.contexts`), hot reload and retirement (:mod:`appliance.daemon.reload`), durable agents
-(:mod:`appliance.daemon.durable`). Each part is a
+(:mod:`appliance.daemon.durable`), the idle release of HTTP agents (:mod:`appliance.daemon.dormancy`). Each part is a
 :class:`DaemonBase`; core imports the parts, never the reverse. They all log as ``appliance.daemon.core``.
 """
 

@@ -28,12 +28,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from appliance.config import modelfiles
+from appliance.config.modelfiles import MissingModel
 from appliance.config.validate import Config, ModelConfig
-from appliance.daemon import policy
+from appliance.daemon import accesslog, offload, policy
 from appliance.daemon.adaptive import AdaptiveLoop
 from appliance.daemon.base import log_load_failure
 from appliance.daemon.contexts import LiveContexts
 from appliance.daemon.devices import DeviceReading, MemoryDevice, physical_memory, process_bytes
+from appliance.daemon.dormancy import Dormancy
 from appliance.daemon.durable import RESTORED_FROM, Durable, durable
 from appliance.daemon.ledger import Ledger, compute_cap, external_used
 from appliance.daemon.model import (
@@ -49,6 +52,7 @@ from appliance.daemon.model import (
 )
 from appliance.daemon.model import DecodeResult as DecodeResult
 from appliance.daemon.model import reload_key as reload_key
+from appliance.daemon.offload import Offload
 from appliance.daemon.reload import HotReload
 from appliance.daemon.reload import vocabulary_notice as vocabulary_notice
 from appliance.daemon.requestlog import RequestLog
@@ -61,7 +65,7 @@ from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem
 log = logging.getLogger(__name__)
 
 
-class Daemon(Requests, LiveContexts, HotReload, Durable):
+class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
     """The one owner of the daemon's state; every surface calls it on the event loop.
 
     It owns: the VRAM :class:`Ledger` (its cap re-based on each :meth:`resync` of ``device``), the :class:`Model` s
@@ -114,11 +118,15 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
         self.on_reload: Callable[[str], Awaitable[dict[str, Any]]] | None = None  # RELOAD: the supervisor's reload
         self.on_tune: Callable[[object, dict[str, str]], Awaitable[dict[str, Any]]] | None = None  # TUNE, by owner
         self.on_untune: Callable[[object], None] | None = None  # a TUNE owner's connection closed
-        self.requests = RequestLog()  # every generation request's record (surfaces add them; metrics observe)
+        self.requests = RequestLog()  # every request's record (surfaces add them; metrics observe)
+        self.requests.observers.append(accesslog.log_request)  # one access log line per request
         self._tasks: set[asyncio.Task[Any]] = set()  # background unloads of retired models
         self._context_lock = asyncio.Lock()  # one claim of a live context at a time (SPEC L8)
         self.context_waiters: list[asyncio.Future[None]] = []  # claims waiting for a context to go idle
         self.adaptive = AdaptiveLoop(self)  # samples, decides and applies each model's tuning (SPEC E1-E5)
+        for level, line in offload.startup_notes([(m.name, m.n_gpu_layers) for m in config.models], device.kind,
+                                                 engine.gpu_offload):  # asked-for GPU layers that cannot be: loudly
+            log.log(logging.WARNING if level == "warning" else logging.INFO, "%s", line)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -157,39 +165,72 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
         return model
 
     def model_state(self, name: str) -> ModelState:
-        """The named model's :data:`ModelState`, read from memory (``available`` for one never resolved)."""
+        """The named model's :data:`ModelState`, read from memory (``available`` for one never resolved), or
+        ``missing`` for a configured one that is not in memory while its file is not there (looked at now)."""
         model = self.models.get(name)
-        return "available" if model is None else model.state
+        state = "available" if model is None else model.state
+        if state == "available" and self.missing(name) is not None:
+            return "missing"
+        return state
 
-    def estimate_parts(self, spec: ModelConfig) -> tuple[int, int]:
+    def missing(self, name: str) -> MissingModel | None:
+        """The configured model ``name`` when it is not in memory and its file is not there now, else None. Looked
+        at every time (a stat): a file put back serves at once, without a reload."""
+        model = self.models.get(name)
+        if model is not None and model.state != "available":
+            return None
+        return modelfiles.missing_model(self.config, name, self.engine.file_present)
+
+    def missing_models(self) -> list[MissingModel]:
+        """Every configured model that is :meth:`missing` now, in config order (health's ``degraded`` reasons)."""
+        found = [self.missing(spec.name) for spec in self.config.models]
+        return [model for model in found if model is not None]
+
+    def estimate_parts(self, spec: ModelConfig, placed: Offload | None = None) -> tuple[int, int]:
         """``spec``'s ledger figure (the operator's ``vram_bytes``, else the GGUF table estimate) and the part of it
         that is its live context (KV cache + compute margin), which
         the ledger holds apart and releases while the context is freed (SPEC L8). An operator's ``vram_bytes`` is
-        one figure: its context part is 0 (it stays reserved while the model is loaded)."""
+        one figure: its context part is 0 (it stays reserved while the model is loaded). With ``placed``, the
+        estimate counts only what its offloaded layers put on the device (all of it on a host-RAM device); None
+        counts every layer."""
         if spec.vram_bytes is not None:
             return spec.vram_bytes, 0
         shape = gguf_meta.read_model_shape(spec.path)
-        table = gguf_meta.estimate(shape, spec.n_ctx, spec.cache_type)
+        table = gguf_meta.estimate(shape, spec.n_ctx, spec.cache_type, offload.ledger_layers(placed))
         return table.total, table.kv + table.compute
+
+    def place(self, spec: ModelConfig) -> Offload:
+        """Where ``spec``'s layers run (:func:`appliance.daemon.offload.place`) on this device with this llama.cpp
+        build, ``auto`` against the ledger's free bytes now. Blocking (it reads the GGUF): call it off the loop. With
+        an operator's ``vram_bytes`` and a layer count, the file is not read (that figure is the estimate)."""
+        explicit = spec.vram_bytes is not None and spec.n_gpu_layers is not None
+        shape = None if explicit else gguf_meta.read_model_shape(spec.path)
+        return offload.place(shape, requested=spec.n_gpu_layers, n_ctx=spec.n_ctx, cache_type=spec.cache_type,
+                             device_kind=self.device.kind, build_offloads=self.engine.gpu_offload,
+                             free_bytes=max(0, self.ledger.cap - self.ledger.allocated))
 
     async def acquire(self, model: Model) -> None:
         """Make sure ``model`` is loaded: estimate -> check -> reserve -> load; any failure rolls back (L3)."""
         async with model.lock:
             if model.runtime is not None:
                 return
+            missing = await asyncio.to_thread(modelfiles.missing_model, self.config, model.key,
+                                              self.engine.file_present)
+            if missing is not None:  # refused before it is "loading": it stays missing until its file is there
+                raise missing.error()
             model.state = "loading"
             interrupted = False
             started = time.perf_counter()
             try:
                 model.file = await asyncio.to_thread(file_identity, model.path)  # before the load
-                if model.estimate is None:
+                if model.estimate is None or model.spec.n_gpu_layers is None:  # auto: placed for the ledger now
                     model.estimate, model.context_bytes = await asyncio.to_thread(self.tuned_parts, model,
                                                                                   model.spec)
                 # A trial load in a child process (llama.cpp aborts on some bad files): off the loop and off
                 # the engine thread, before anything is reserved.
                 spec = model.spec
                 await asyncio.to_thread(self.engine.check, model.path, n_ctx=spec.n_ctx,
-                                        n_gpu_layers=spec.n_gpu_layers)
+                                        n_gpu_layers=model.gpu_layers)
                 weights = model.estimate - model.context_bytes
                 await self._claim_context(model, extra=weights)  # it is loaded with its context
                 try:
@@ -208,8 +249,10 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
                         self.ledger.release(context_key(model.key))
                         model.context_claimed = False
                 model.context_used = self.clock()
-                log.info("model %s loaded: estimate %d bytes, %.2f s", model.key, model.estimate,
-                         time.perf_counter() - started)
+                log.info("model %s loaded: estimate %d bytes, %.2f s, %s", model.key, model.estimate,
+                         time.perf_counter() - started, offload.loaded_note(model.offload))
+                if model.offload is not None and model.offload.cpu_fallback:  # at each load: loudly
+                    log.warning("%s", offload.fallback_warning(model.key, model.offload))
                 self.adaptive.start_warmup(model)
             except ApplianceError as exc:
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
@@ -225,7 +268,8 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
     def tuned_parts(self, model: Model, spec: ModelConfig) -> tuple[int, int]:
         """:meth:`estimate_parts` with the context part for the pool ``model``'s tuner wants now (the full
         ``n_ctx`` with ``engine.adaptive: false``). Blocking (it may read the GGUF): call it off the loop."""
-        estimate, context = self.estimate_parts(spec)
+        model.offload = self.place(spec)
+        estimate, context = self.estimate_parts(spec, model.offload)
         if not context:
             return estimate, context
         tuned = self.adaptive.context_bytes(model, self.adaptive.tuner(model).current.pool_cells)
@@ -238,7 +282,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
         return runtime
 
     def _engine_load(self, model: Model, spec: ModelConfig) -> RuntimeProtocol:
-        return self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=spec.n_gpu_layers,
+        return self.engine.load(spec.path, n_ctx=spec.n_ctx, n_gpu_layers=model.gpu_layers,
                                 live_slots=self.config.engine.live_slots,
                                 flash_attention=self.config.engine.flash_attention, cache_type=spec.cache_type,
                                 tuning=self.adaptive.tuner(model).current)
@@ -269,12 +313,12 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
         return True
 
     async def sweep_idle(self) -> list[str]:
-        """Unregister agents idle past ``agent_idle_ttl_s`` (L11), then unload models idle past their TTL (L7);
-        returns the names of the models unloaded."""
+        """Unregister agents idle past ``agent_idle_ttl_s`` (L11), then unload models idle past their TTL (L7), those
+        held only by idle HTTP agents too (they go dormant: dormancy.py); returns the names of the models unloaded."""
         await self.expire_agents()
         await self.drain_retired()
+        idle: list[str] = await self.release_idle()
         names = policy.expired([m.view() for m in self.models.values()], self.clock())
-        idle: list[str] = []
         for name in names:
             model = self.models[name]
             if await self.unload(model, self._still_expired, reason="idle TTL"):
@@ -310,8 +354,10 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
         return expired
 
     # -- agents ----------------------------------------------------------------------------------
-    async def register(self, agent_id: str, ref: str, owner: object | None = None) -> Agent:
-        """Register ``agent_id`` on the model ``ref`` (loaded if need be). Every surface checks the id
+    async def register(self, agent_id: str, ref: str, owner: object | None = None, *,
+                       releases_model: bool = False) -> Agent:
+        """Register ``agent_id`` on the model ``ref`` (loaded if need be); ``releases_model``: an HTTP agent, which
+        goes dormant once its model idles past its ``idle_ttl_s`` (dormancy.py). Every surface checks the id
         first; this is the last line of defence: an id outside the one rule (:mod:`appliance.protocol.identifiers`) is
         BAD_REQUEST, one agent more than ``max_agents`` (all owners, registrations in progress included) is
         TOO_MANY_AGENTS; the agents already registered are not touched. Once a graceful stop began only a
@@ -345,7 +391,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
                 raise ApplianceError("UNKNOWN_MODEL", f"model {model.key!r} was removed from the config",
                                      {"model": model.key, "known": [m.name for m in self.config.models]})
             agent = self.agents[agent_id] = Agent(agent_id, model, owner=owner, last_used=self.clock(),
-                                                  created=self.wall())
+                                                  created=self.wall(), releases_model=releases_model)
             log.info("agent %s registered on model %s%s", agent_id, model.key,
                      "" if owner is None else " (owned by its connection)")
             await self.commit_agent(agent)  # before the reply: a restart brings it back
@@ -450,9 +496,16 @@ class Daemon(Requests, LiveContexts, HotReload, Durable):
     def snapshot(self) -> dict[str, Any]:
         """Everything STATUS, the admin page and metrics show, read from memory."""
         reading, ledger = self.reading, self.ledger.snapshot()
-        models = [{"name": m.key, "state": m.state, "loaded": m.runtime is not None, "refcount": m.refcount,
+        unused_missing = [Model(spec) for spec in self.config.models  # configured, never used, its file not there
+                          if spec.name not in self.models and self.missing(spec.name) is not None]
+        models = [{"name": m.key, "state": self.model_state(m.key), "loaded": m.runtime is not None,
+                   "refcount": m.refcount,
                    "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
-                   "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired} for m in self.models.values()]
+                   "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired,
+                   "held_bytes": self.model_bytes(m), "idle_ttl_s": m.spec.idle_ttl_s,
+                   "unloads_in_s": policy.unloads_in(m.view(), self.clock()),
+                   **offload.record(m.offload)}
+                  for m in [*self.models.values(), *unused_missing]]
         agents = [{"id": a.id, "model": a.model.key, "tokens": len(a.conversation.tokens),
                    "state": a.conversation.where, "state_bytes": a.conversation.nbytes,
                    "kv_cells": a.conversation.n_evaluated, "kv_restored_from": a.restored_from,

@@ -50,6 +50,11 @@ RestoredFrom = Literal["none", "device", "host", "disk", "tokens"]
 (``host``) or from its KV file (``disk``), or nowhere, its tokens re-evaluated (``tokens``); ``none``: there was no
 conversation before it (a new agent, a stateless request)."""
 RESTORED_FROM: tuple[RestoredFrom, ...] = ("none", "device", "host", "disk", "tokens")
+CLIENT_OWNER = "client"
+"""A stored agent's ``owner``: a client keeps it (and its model) until it unregisters or expires."""
+HTTP_OWNER = "http"
+"""A stored agent's ``owner``: an HTTP agent, dormant once its model's idle TTL runs out (:mod:`appliance.daemon.
+dormancy`)."""
 
 
 def durable(agent: Agent) -> bool:
@@ -82,7 +87,8 @@ class Durable(DaemonBase):
         disk = self.disk
         on_disk = disk is not None and disk.holds(agent.id)
         kv = "disk" if on_disk and conv.where != "device" else conv.where
-        return AgentRecord(agent.id, model.key, model_file, vocabulary, "client", agent.created,
+        owner = HTTP_OWNER if agent.releases_model else CLIENT_OWNER
+        return AgentRecord(agent.id, model.key, model_file, vocabulary, owner, agent.created,
                            self.wall_time(agent.last_used), tuple(conv.tokens), kv,
                            f"kv/{agent.id}.kv" if on_disk else None)
 
@@ -136,7 +142,8 @@ class Durable(DaemonBase):
                 conv.where = "disk"
             idle_s = max(0.0, self.wall() - record.last_used)
             agent = Agent(record.id, model, conv, last_used=self.clock() - idle_s, created=record.created,
-                          dormant=True, model_file=record.model_file, vocabulary=record.vocabulary)
+                          dormant=True, model_file=record.model_file, vocabulary=record.vocabulary,
+                          releases_model=record.owner == HTTP_OWNER)
             self.agents[agent.id] = agent
             kept.append(agent)
         if self.disk is not None:

@@ -16,15 +16,19 @@ from appliance.config import schema as settings
 from appliance.config.validate import ModelConfig
 from appliance.daemon import hostkv, policy
 from appliance.daemon.admission import Admission
+from appliance.daemon.offload import Offload
 from appliance.engine import gguf_meta
 from appliance.engine.adaptive import Tuner, Tuning
 from appliance.engine.interface import Conversation, Generation, RuntimeProtocol
+from appliance.errors import ApplianceError
 
-ModelState = Literal["available", "loading", "loaded", "unloading"]
+ModelState = Literal["available", "loading", "loaded", "unloading", "missing"]
 """A model's lifecycle, as health, the registry file and STATUS show it: ``available`` (not in memory) ->
 ``loading`` (estimate, reserve, load; back to ``available`` on failure) -> ``loaded`` -> ``unloading`` (its
 runtime is being closed) -> ``available``. Only :meth:`~appliance.daemon.core.Daemon.acquire` and
-:meth:`~appliance.daemon.core.Daemon.unload` change it, under the model's lock."""
+:meth:`~appliance.daemon.core.Daemon.unload` change it, under the model's lock. ``missing`` is never stored: it is
+what :meth:`~appliance.daemon.core.Daemon.model_state` shows for a configured model that is not in memory while its
+file is not there (:mod:`appliance.config.modelfiles`)."""
 
 
 @dataclass(eq=False)
@@ -59,6 +63,7 @@ class Model:
     cold_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one cold context at a time
     cold_bytes: int = 0  # the ledger figure of its cold context while one exists
     vocabulary: str = ""  # the loaded runtime's vocabulary digest (what a stored agent's tokens are checked with)
+    offload: Offload | None = None  # where its layers run: decided with its estimate, before each load or reload
 
     @property
     def key(self) -> str:
@@ -70,6 +75,13 @@ class Model:
     @property
     def path(self) -> Path:
         return self.spec.path
+
+    @property
+    def gpu_layers(self) -> int:
+        """The layers its next load offloads to the GPU, as placed with its estimate (``Daemon.place``)."""
+        if self.offload is None:
+            raise ApplianceError("INTERNAL", f"model {self.key!r} was not placed before its load", {"model": self.key})
+        return self.offload.gpu_layers
 
     def view(self) -> policy.ModelView:
         return policy.ModelView(self.key, self.state == "loaded", self.refcount, self.inflight,
@@ -90,9 +102,13 @@ class Agent:
     model_file: str = ""  # restored: the identity of the model file its tokens were made with
     vocabulary: str = ""  # restored: that model's vocabulary digest
     restored_from: str = "none"  # where its last decode found its KV state (appliance.daemon.durable.RestoredFrom)
+    releases_model: bool = False  # an HTTP agent: idle past its model's idle_ttl_s, it goes dormant (dormancy.py)
 
     def view(self) -> policy.AgentView:
         return policy.AgentView(self.id, self.last_used, self.lock.locked())
+
+    def holder_view(self) -> policy.HolderView:
+        return policy.HolderView(self.id, self.model.key, self.dormant, self.releases_model, self.lock.locked())
 
     def held(self) -> hostkv.HeldState | None:
         """Its host KV buffer as the budget sees it (None when it holds none). Read on the engine thread."""

@@ -42,6 +42,37 @@ def idle_agents(agents: Iterable[AgentView], now: float, ttl_s: float) -> list[s
     return [a.id for a in agents if not a.busy and now - a.last_used >= ttl_s]
 
 
+@dataclass(frozen=True)
+class HolderView:
+    """What the idle release needs to know about one agent: its model, whether it holds it (not dormant), whether
+    it lets it go once idle (an HTTP agent) and whether a command on it runs or waits now."""
+
+    id: str
+    model: str
+    dormant: bool
+    releases_model: bool
+    busy: bool
+
+
+def dozing(models: Iterable[ModelView], holders: Iterable[HolderView], now: float) -> dict[str, list[str]]:
+    """Models to unload although agents hold them: loaded, not retired, nothing in flight, idle for their TTL (0 =
+    never), and held only by agents that let their model go once idle, none busy. ``{model: the agents that go
+    dormant first}``; a model some other holder keeps (a line-protocol agent, a registration in progress) is not
+    one."""
+    holding: dict[str, list[HolderView]] = {}
+    for holder in holders:
+        if not holder.dormant:
+            holding.setdefault(holder.model, []).append(holder)
+    found: dict[str, list[str]] = {}
+    for m in models:
+        agents = holding.get(m.key, [])
+        if (m.loaded and not m.retired and m.inflight == 0 and m.idle_ttl_s > 0 and now - m.last_used >= m.idle_ttl_s
+                and agents and len(agents) == m.refcount
+                and all(a.releases_model and not a.busy for a in agents)):
+            found[m.key] = sorted(a.id for a in agents)
+    return found
+
+
 SWEEP_MIN_PERIOD_S = 0.05
 SWEEP_MAX_PERIOD_S = 5.0
 
@@ -67,3 +98,15 @@ def inside(path: PurePath, folders: Iterable[PurePath]) -> bool:
     """True when ``path`` (already resolved, symlinks followed) lies inside one of ``folders`` (resolved)."""
     return any(path == folder or folder in path.parents for folder in folders)
 
+
+def unloads_in(model: ModelView, now: float) -> float | None:
+    """Seconds (to a tenth) until the idle sweep unloads ``model``: its idle TTL counting down since its last use (0
+    for a retired one, unloaded at the next sweep). None while nothing counts down: it is not loaded, an agent holds
+    it (it goes when the last one leaves), a request runs on it, or its TTL is 0 (never)."""
+    if not model.loaded or model.refcount > 0 or model.inflight > 0:
+        return None
+    if model.retired:
+        return 0.0
+    if model.idle_ttl_s <= 0:
+        return None
+    return round(max(0.0, model.idle_ttl_s - (now - model.last_used)), 1)

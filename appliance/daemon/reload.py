@@ -26,7 +26,7 @@ from typing import Any
 
 from appliance.config import schema as settings
 from appliance.config.validate import Config, ModelConfig
-from appliance.daemon import policy
+from appliance.daemon import offload, policy
 from appliance.daemon.base import DaemonBase, finish, log, log_load_failure
 from appliance.daemon.devices import process_bytes
 from appliance.daemon.ledger import compute_cap
@@ -158,6 +158,7 @@ class HotReload(DaemonBase):
                 model.measured = None
                 return f"{name} is not loaded: its next load uses the new settings"
             started = time.perf_counter()
+            serving = model.offload  # the serving runtime's placement: put back if this reload fails
             try:
                 identity = await asyncio.to_thread(file_identity, spec.path)  # before the load: a later change shows
                 if model.tuner is not None:
@@ -165,10 +166,11 @@ class HotReload(DaemonBase):
                 model.shape = None  # the file may have changed
                 estimate, context_bytes = await asyncio.to_thread(self.tuned_parts, model, spec)
                 await asyncio.to_thread(self.engine.check, spec.path, n_ctx=spec.n_ctx,
-                                        n_gpu_layers=spec.n_gpu_layers)
+                                        n_gpu_layers=model.gpu_layers)
                 with self.ledger.reservation(reload_key(name), estimate):
                     kept, reset = await self._replace_runtime(model, spec, estimate, context_bytes)
             except ApplianceError as exc:
+                model.offload = serving
                 self.counters["denials"] += exc.code == "VRAM_LEDGER_DENY"
                 log_load_failure(name, exc)
                 log.warning("model %s not reloaded: the loaded one keeps serving", name)
@@ -178,6 +180,8 @@ class HotReload(DaemonBase):
         model.last_used = self.clock()
         log.info("model %s reloaded: estimate %d bytes, %.2f s, %d agents keep their tokens, %d reset", name,
                  estimate, time.perf_counter() - started, kept, reset)
+        if model.offload is not None and model.offload.cpu_fallback:  # at each load: loudly
+            log.warning("%s", offload.fallback_warning(name, model.offload))
         self._changed()
         if reset:
             return f"{name} reloaded with a different vocabulary ({reset} agents' conversations reset)"

@@ -1,5 +1,6 @@
-"""The request log: one :class:`RequestRecord` per generation request on any surface, the last :data:`KEEP` kept
-for the admin page's recent requests and tokens/s, and handed to observers (the metrics). Pure."""
+"""The request log: one :class:`RequestRecord` per request on any surface (a generation, or embeddings), the last
+:data:`KEEP` kept for the admin page's recent requests and tokens/s, and handed to observers (the metrics, the access
+log). Pure."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ KEEP = 200
 Surface = Literal["magn", "lines", "openai", "responses", "anthropic"]
 """Who asked: a socket protocol, or an HTTP API (OpenAI chat and completions, OpenAI Responses, Anthropic Messages)."""
 Outcome = Literal["ok", "error", "cancelled"]
+Task = Literal["generate", "embed"]
+"""What was asked: tokens generated after a prompt, or the embeddings of texts (EMBED_REQUEST, /v1/embeddings)."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class RequestRecord:
     surface: Surface
     model: str
     agent: str | None  # None: a stateless request
-    prompt_tokens: int  # the prompt's tokens evaluated by this request
+    prompt_tokens: int  # the request's prompt tokens (embeddings: every input's)
     generated_tokens: int
     ttft_s: float | None  # time to the first token (None: none was generated)
     elapsed_s: float  # the whole request, as the surface saw it (queueing included)
@@ -29,6 +32,10 @@ class RequestRecord:
     error: str | None = None  # the P4 code of a failed request
     stop_reason: str | None = None
     plan: str | None = None  # the plan of the context it ran in (S, M, L, fixed; None: it never ran)
+    prompt_evaluated: int | None = None  # tokens really evaluated before the first new one: a shared prefix or the
+    #                                      agent's KV state skips some, a dropped state re-evaluates (None: never ran)
+    generation_s: float | None = None  # the generation's time on the engine, its start to its end (None: never ran)
+    task: Task = "generate"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

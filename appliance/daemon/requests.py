@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
-from appliance.daemon import hostkv, policy
+from appliance.daemon import hostkv, offload, policy
 from appliance.daemon.base import DaemonBase, finish, log
 from appliance.daemon.devices import process_bytes
 from appliance.daemon.model import (
@@ -153,7 +153,8 @@ class Requests(DaemonBase):
             if runtime.has_embeddings:
                 return runtime
             shape = await asyncio.to_thread(gguf_meta.read_model_shape, model.path)
-            table = gguf_meta.estimate(shape, context_size(model.spec.n_ctx), model.spec.cache_type)
+            table = gguf_meta.estimate(shape, context_size(model.spec.n_ctx), model.spec.cache_type,
+                                       offload.ledger_layers(model.offload))  # the offloaded layers' KV only
             with self.ledger.reservation(embedding_key(model.key), table.kv + table.compute) as pending:
                 await finish(asyncio.ensure_future(self.engine.call(runtime.open_embeddings)))
                 pending.commit()
@@ -435,6 +436,11 @@ class Requests(DaemonBase):
             nbytes = buffer_bytes(conv)
             if conv.where != "host":
                 conv.buffer = None  # a live conversation's reuse buffer: nothing is lost
+                continue
+            if conv is attaching and self.disk is not None:
+                # With a disk tier the state coming back is kept for its swap (it goes into the context at once; its
+                # buffer is let go right after): host RAM holds one state over the budget meanwhile, rather than
+                # throwing away a state just read from disk and re-evaluating it.
                 continue
             if conv is not attaching and self.spill(by_id[key]):
                 log.info("host KV: agent %s's parked state (%d bytes) written to disk (host_kv_budget %d bytes)", key,

@@ -499,6 +499,15 @@ class FakeEngine:
     async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
         return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
 
+    @property
+    def gpu_offload(self) -> bool:
+        """No GPU here: the fake engine's models run nowhere but in memory."""
+        return False
+
+    def file_present(self, path: Path) -> bool:
+        """The fake engine's models are not files (their paths need not exist): always there."""
+        return True
+
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         """No child process here: a model-free daemon has nothing to trial-load. Recorded in ``checks``."""
         self.checks.append(path)
@@ -573,6 +582,13 @@ class GatedEngine:
     def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE,
              **kwargs: Any) -> Awaitable[Any]:
         return self.inner.call(fn, *args, queue=queue, **kwargs)
+
+    @property
+    def gpu_offload(self) -> bool:
+        return self.inner.gpu_offload
+
+    def file_present(self, path: Path) -> bool:
+        return self.inner.file_present(path)
 
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)

@@ -6,7 +6,7 @@ arrays, unknown types, offsets past the end of the file), skips arrays without b
 fields a shape needs. :func:`shape_from_header` then checks that the metadata is plausible and consistent with the
 tensors (llama.cpp aborts the whole process on some inconsistent files) and returns a :class:`ModelShape`.
 Everything else is pure arithmetic on that shape: KV cache bytes by llama.cpp's formula and the weights + KV +
-compute-margin estimate.
+compute-margin estimate, split between the device and host RAM by the layers offloaded to the GPU.
 
 Every refusal is ``MODEL_LOAD_FAILED`` whose details name the ``rule`` broken and, for a limit, the ``limit``.
 """
@@ -95,14 +95,30 @@ class ModelShape:
     n_ctx_train: int
     weight_bytes: int  # sum of the tensors' data bytes
     file_bytes: int
+    block_bytes: tuple[int, ...] = ()  # each block's (layer's) tensor bytes, block 0 first; the rest is non-block
+
+    @property
+    def offload_layers(self) -> int:
+        """The layers llama.cpp can offload (what ``n_gpu_layers`` counts): every block, then the output layer."""
+        return self.layers + 1
 
 
 @dataclass(frozen=True)
 class Estimate:
+    """A model's bytes at a context size, split between the device and host RAM by its offloaded layers: the
+    device's ``weights``, ``kv`` and ``compute`` margin (``total`` is their sum, the ledger's figure on a GPU), and
+    what stays in host RAM (``host_weights``, ``host_kv``: 0 when every layer is offloaded)."""
+
     weights: int
     kv: int
     compute: int
     total: int
+    host_weights: int = 0
+    host_kv: int = 0
+
+    @property
+    def host(self) -> int:
+        return self.host_weights + self.host_kv
 
 
 @dataclass(frozen=True)
@@ -414,6 +430,11 @@ def _shape_from_fields(path: Path, fields: dict[str, Any], tensors: tuple[Tensor
     if n_expert_used > n_expert or (n_expert > 0 and n_expert_used == 0):
         raise inconsistent(f"{arch}.expert_used_count {n_expert_used} does not fit {arch}.expert_count {n_expert}",
                            "expert_used_count", limit=n_expert, found=n_expert_used)
+    block_bytes = [0] * layers
+    for tensor in tensors:
+        match = _BLOCK.search(tensor.name)
+        if match and int(match.group(1)) < layers:
+            block_bytes[int(match.group(1))] += tensor.n_bytes
     return ModelShape(
         architecture=arch,
         layers=layers,
@@ -425,6 +446,7 @@ def _shape_from_fields(path: Path, fields: dict[str, Any], tensors: tuple[Tensor
         n_ctx_train=n_ctx_train,
         weight_bytes=sum(t.n_bytes for t in tensors),
         file_bytes=file_bytes,
+        block_bytes=tuple(block_bytes),
     )
 
 
@@ -482,14 +504,33 @@ def kv_cells(n_ctx: int) -> int:
     return -(-n_ctx // KV_CELL_PADDING) * KV_CELL_PADDING
 
 
-def estimate(shape: ModelShape, n_ctx: int, cache_type: str = "f16") -> Estimate:
-    """Device bytes for the model at ``n_ctx``: weights + KV cache + compute margin.
+def estimate(shape: ModelShape, n_ctx: int, cache_type: str = "f16", gpu_layers: int | None = None) -> Estimate:
+    """The model's bytes at ``n_ctx`` with ``gpu_layers`` of its :attr:`~ModelShape.offload_layers` offloaded
+    (None or a negative count: all of them), as llama.cpp places them: the last ``gpu_layers`` blocks' weights and
+    KV cache on the device, the output layer too once every block is there; the other blocks and the token
+    embeddings in host RAM. With every layer offloaded all the weights count against the device (the token
+    embeddings too, which llama.cpp keeps on the CPU: an upper bound).
 
-    The KV part is :func:`kv_bytes` for :func:`kv_cells` (n_ctx padded as llama.cpp pads it). The compute
-    margin covers llama.cpp's compute buffers (activations, logits, scratch) and is
-    max(32 MiB, 5 % of weights + KV), rounded up to whole bytes.
+    The KV part is :func:`kv_bytes` for :func:`kv_cells` (n_ctx padded as llama.cpp pads it), split by layer. The
+    compute margin covers llama.cpp's compute buffers on the device (activations, logits, scratch) and is
+    max(32 MiB, 5 % of the device's weights + KV), rounded up to whole bytes.
     """
     _check_n_ctx(n_ctx)
     kv = kv_bytes(shape, kv_cells(n_ctx), cache_type)
-    compute = max(COMPUTE_FLOOR_BYTES, math.ceil((shape.weight_bytes + kv) * COMPUTE_FRACTION))
-    return Estimate(weights=shape.weight_bytes, kv=kv, compute=compute, total=shape.weight_bytes + kv + compute)
+    weights, host_weights, host_kv = shape.weight_bytes, 0, 0
+    if gpu_layers is not None and 0 <= gpu_layers < shape.offload_layers:
+        if len(shape.block_bytes) != shape.layers:
+            raise ValueError(f"a split of {gpu_layers} layers needs each block's bytes ({len(shape.block_bytes)} known "
+                             f"of {shape.layers})")
+        weights = sum(shape.block_bytes[shape.layers - gpu_layers:])  # llama.cpp offloads the last blocks
+        host_weights = shape.weight_bytes - weights
+        host_kv = kv // shape.layers * (shape.layers - gpu_layers)  # kv_bytes is a whole multiple of the layers
+        kv -= host_kv
+    compute = max(COMPUTE_FLOOR_BYTES, math.ceil((weights + kv) * COMPUTE_FRACTION))
+    return Estimate(weights=weights, kv=kv, compute=compute, total=weights + kv + compute,
+                    host_weights=host_weights, host_kv=host_kv)
+
+
+def device_bytes_by_layers(shape: ModelShape, n_ctx: int, cache_type: str = "f16") -> tuple[int, ...]:
+    """The device's part of :func:`estimate` for each count of offloaded layers, 0 to every one (non-decreasing)."""
+    return tuple(estimate(shape, n_ctx, cache_type, layers).total for layers in range(shape.offload_layers + 1))

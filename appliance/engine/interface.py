@@ -322,6 +322,16 @@ class EngineProtocol(Protocol):
         """``submit`` of ``fn(*args, **kwargs)`` on ``queue``."""
         ...
 
+    @property
+    def gpu_offload(self) -> bool:
+        """Whether the models it loads can put layers on a GPU (llama.cpp built with GPU support)."""
+        ...
+
+    def file_present(self, path: Path) -> bool:
+        """Whether the model file ``path`` is there to load (a configured model whose file is not is ``missing``).
+        Looked at on every use: a stat, never remembered."""
+        ...
+
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         """Make sure :meth:`load` of ``path`` cannot take the process down: the real engine trial-loads it in a
         child process (:mod:`appliance.engine.modelcheck`). Blocking: call it off the event loop and off the

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance.engine import modelcheck, plans
+from appliance.engine import gpubuild, modelcheck, plans
 from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.embedding import Embeddings, check_dimensions, context_size
@@ -183,6 +183,14 @@ class Engine:
 
     async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
         return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
+
+    @property
+    def gpu_offload(self) -> bool:
+        """``llama_supports_gpu_offload()``: False for a CPU build of llama.cpp."""
+        return gpubuild.offload_supported()
+
+    def file_present(self, path: Path) -> bool:
+        return path.is_file()
 
     def check(self, path: Path, *, n_ctx: int, n_gpu_layers: int) -> None:
         """Trial-load ``path`` in a child process (cached per file); raises ``MODEL_LOAD_FAILED``. Blocking:

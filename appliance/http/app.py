@@ -58,6 +58,8 @@ def health_document(appliance: Appliance) -> dict:
     reasons.extend(found["reason"] for found in state_files)
     durability = daemon.durability() if daemon else {}  # the agents' store and the disk tier of KV state
     reasons.extend(report["reason"] for report in durability.values() if report["status"] == "degraded")
+    missing = daemon.missing_models() if daemon else []  # configured, their file not there: the rest serves
+    reasons.extend(found.reason for found in missing)
     notices = []
     moved_aside = durability.get("store", {}).get("moved_aside")
     if moved_aside is not None:
@@ -72,6 +74,7 @@ def health_document(appliance: Appliance) -> dict:
     restored = {where: snapshot["counters"][f"restored_from_{where}"] for where in RESTORED_FROM} if daemon else {}
     return {"status": status, **problem, "notices": notices, "config": config, "state_files": state_files,
             **durability, "kv_restored_from": restored, "models": models,
+            "missing_models": [found.to_dict() for found in missing],
             "context_length": max((m["context_length"] for m in models), default=0),
             "agents": len(snapshot.get("agents", [])),
             "ledger": snapshot.get("ledger"), "host_kv": snapshot.get("host_kv"),
@@ -134,7 +137,8 @@ def create_app(appliance: Appliance) -> Starlette:
     from appliance.http.embeddings import routes as embedding_routes
     from appliance.http.responses import routes as response_routes
 
-    routes = [Route("/v1/health", health), *openai.routes, *anthropic.routes, *embedding_routes, *response_routes,
+    routes = [Route("/v1/health", health), Route("/health", health),  # /health: the alias probes expect
+              *openai.routes, *anthropic.routes, *embedding_routes, *response_routes,
               *metrics.routes, *admin.routes, Mount("/static", StaticFiles(directory=web_dir()), name="static")]
     middleware = [Middleware(Guard, appliance=appliance)]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)

@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` (OpenAI's shape): a thin route over :meth:`appliance.daemon.core.Daemon.embed`; the body
+"""``POST /v1/embeddings`` (OpenAI's shape): a thin route over :func:`appliance.server.outcome.embed`; the body
 and the answer are :mod:`appliance.http.embeddings_schema`'s (docs/openai-api.md says what a client sees)."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from starlette.routing import BaseRoute, Route
 from appliance.http import embeddings_schema as schema
 from appliance.http.openai import daemon_of, read_body
 from appliance.http.openai_schema import parse_body
+from appliance.server.outcome import embed
 
 
 async def embeddings(request: Request) -> JSONResponse:
     body = parse_body(await read_body(request))
     options = schema.embeddings_request(body)
-    result = await daemon_of(request).embed(options.model, options.inputs, options.dimensions)
+    result = await embed(daemon_of(request), surface="openai", model=options.model, inputs=options.inputs,
+                         dimensions=options.dimensions)
     document = await asyncio.to_thread(schema.embeddings_response, options.model, result.vectors,
                                        result.prompt_tokens, options.encoding_format)  # off the loop: large lists
     return JSONResponse(document)

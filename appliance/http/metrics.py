@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODEL_STATES = ("available", "loading", "loaded", "unloading")
+MODEL_STATES = ("available", "loading", "loaded", "unloading", "missing")
 KV_PLACES = ("device", "host", "empty")
 RELOAD_RESULTS = ("applied", "unchanged", "invalid", "failed")
 PROTOCOLS = ("magn", "lines")
@@ -49,15 +49,19 @@ TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 """Time-to-first-token buckets (a prompt's prefill, after any wait for the engine)."""
 
 PROFILE_FIGURES = {
-    "input_tokens": ("appliance_profile_input_tokens", "Input tokens of a model's sampled requests, by quantile."),
-    "output_tokens": ("appliance_profile_output_tokens", "Output tokens of a model's sampled requests, by quantile."),
-    "ttft_s": ("appliance_profile_ttft_seconds", "Time to first token of a model's sampled requests, by quantile."),
+    "input_tokens": ("appliance_profile_input_tokens", "Input tokens of a model's sampled requests, by percentile."),
+    "output_tokens": ("appliance_profile_output_tokens", "Output tokens of a model's sampled requests, by "
+                      "percentile."),
+    "ttft_s": ("appliance_profile_ttft_seconds", "Time to first token of a model's sampled requests, by "
+               "percentile."),
     "kv_cells_peak": ("appliance_profile_kv_cells_peak", "The most KV cells a model's sampled requests' "
-                      "conversations held, by quantile."),
+                      "conversations held, by percentile."),
 }
 """The load-profile figures on the page: the profile's field -> the metric's name and help."""
-PROFILE_QUANTILES = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
-"""A profile percentile's key -> its ``quantile`` label (Prometheus' convention)."""
+PROFILE_PERCENTILES = ("p50", "p90", "p99")
+"""The ``percentile`` label's values, the profile's own keys. Not ``quantile``: Prometheus keeps that label for
+summaries (whose ``_count`` and ``_sum`` only grow), and a profile's percentiles are gauges over a sliding window
+(``promtool check metrics`` refuses a ``quantile`` label on them)."""
 
 GIE_WAITING = "appliance_requests_waiting"
 GIE_RUNNING = "appliance_requests_running"
@@ -202,22 +206,23 @@ class DaemonCollector(Collector):
     def profiles(profiles: dict[str, dict]) -> Iterator[Metric]:
         """Each model's load profile (SPEC E1, E7): the P50/P90/P99 of its window, and how many requests it
         holds."""
-        families = {figure: GaugeMetricFamily(name, documentation, labels=["model", "quantile"])
+        families = {figure: GaugeMetricFamily(name, documentation, labels=["model", "percentile"])
                     for figure, (name, documentation) in PROFILE_FIGURES.items()}
         sampled = GaugeMetricFamily("appliance_profile_requests_sampled", "Requests a model's load profile kept "
                                     "since it was made (one in every engine.adaptive_sample_rate).",
                                     labels=["model"])
         in_window = GaugeMetricFamily("appliance_profile_window_requests", "Requests in a model's load profile "
-                                      "window now (warm-up runs included): what its quantiles are taken over.",
+                                      "window now (warm-up runs included): what its percentiles are taken "
+                                      "over.",
                                       labels=["model"])
         for model, summary in profiles.items():
             sampled.add_metric([model], summary["sampled"])
             in_window.add_metric([model], summary["in_window"])
             for figure, family in families.items():
-                for key, quantile in PROFILE_QUANTILES.items():
+                for key in PROFILE_PERCENTILES:
                     found = summary["percentiles"][figure][key]
-                    if found is not None:  # an empty window has no quantiles
-                        family.add_metric([model, quantile], found)
+                    if found is not None:  # an empty window has no percentiles
+                        family.add_metric([model, key], found)
         yield from families.values()
         yield sampled
         yield in_window
@@ -294,7 +299,7 @@ class DaemonCollector(Collector):
         yield connections
         yield gauge("appliance_connections_open", "Open connections of every surface (what max_connections "
                     "caps).", appliance.open_connections())
-        errors = CounterMetricFamily("appliance_errors", "P4 errors sent to clients (denials included), by surface "
+        errors = CounterMetricFamily("appliance_errors", "Errors sent to clients (denials included), by surface "
                                      "and code.", labels=["surface", "code"])
         for (surface, code), count in sorted(daemon.errors.items()):
             errors.add_metric([surface, code], count)
@@ -329,7 +334,10 @@ class ApplianceMetrics:
                               registry=self.registry)
 
     def observe(self, record: RequestRecord) -> None:
-        """One finished request (called by ``daemon.requests``; never raises into the request's path)."""
+        """One finished request (called by ``daemon.requests``; never raises into the request's path). Generations
+        only: an embeddings request is in the request log (and the access log), not in these figures."""
+        if record.task != "generate":
+            return
         try:
             labels = (record.model, record.surface)
             self.requests.labels(*labels, record.outcome).inc()

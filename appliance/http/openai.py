@@ -9,7 +9,10 @@ plain or streamed as server-sent events. Requests and responses are checked and 
 * **Stateless or an agent.** Without ``user`` (or an ``X-Agent-Id`` header, which wins) a request runs on a fresh
   context in its connection's engine queue. With one, it runs in that agent's conversation, registered on first use
   (owner none: it outlives the connection; ``agent_idle_ttl_s`` expires it; past ``max_agents`` a new one is 429
-  ``TOO_MANY_AGENTS``). ``user`` follows the agents' one rule (protocol.identifiers). The client re-sends the
+  ``TOO_MANY_AGENTS``; once idle past its model's ``idle_ttl_s`` it goes dormant and lets the model unload:
+  :mod:`appliance.daemon.dormancy`). ``user`` follows the agents' one rule (protocol.identifiers) and names an end
+  user: its agent is the user's on the request's model (:func:`~appliance.protocol.identifiers.user_agent_id`,
+  ``<user>@<model>``); ``X-Agent-Id`` names the agent itself. The client re-sends the
   whole history every turn, so an agent's prompt is a :class:`~appliance.engine.interface.Prompt` with ``history``:
   the engine keeps the longest common token prefix of what the conversation holds and the new prompt, and
   evaluates the rest. ``usage.prompt_tokens`` is OpenAI's total (every token of the prompt the model saw);
@@ -57,6 +60,7 @@ from appliance.engine.reply import ReplyEvent, ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
 from appliance.http.errors import error_body
+from appliance.protocol.identifiers import user_agent_id
 from appliance.server.outcome import error_of, generate
 from appliance.server.pump import TokenPump
 
@@ -171,10 +175,11 @@ def registrations(request: Request) -> Registrations:
 
 
 async def agent_for(daemon: Daemon, agent_id: str, model: str, param: str) -> Agent:
-    """The agent ``agent_id``, registered on ``model`` at its first use (owner none: it outlives the connection)."""
+    """The agent ``agent_id``, registered on ``model`` at its first use (owner none: it outlives the connection; it
+    lets its model go once idle: :mod:`appliance.daemon.dormancy`)."""
     agent = daemon.agents.get(agent_id)
     if agent is None:
-        agent = await daemon.register(agent_id, model)
+        agent = await daemon.register(agent_id, model, releases_model=True)
     if agent.owner is not None:
         raise schema.bad(param, f"agent {agent_id!r} belongs to a socket connection's session", agent=agent_id)
     if agent.model.key != model and daemon.resolve(model) is not agent.model:
@@ -279,6 +284,8 @@ class Run:
         if self.agent_id is None:
             return Done(await self._generate(model=self.options.model, queue=self.connection))
         with self.daemon.accepting():  # its agent's registration and its decode are one request (a stop's grace)
+            if self.param == "user":  # an end user, not a conversation: the user's agent on this model
+                self.agent_id = user_agent_id(self.agent_id, self.daemon.resolve(self.options.model).key)
             async with self.registrations.lock(self.agent_id):
                 agent = await agent_for(self.daemon, self.agent_id, self.options.model, self.param)
             return Done(await self._generate(session_id=agent.id))

@@ -20,7 +20,10 @@
   the browser marks it ``Sec-Fetch-Site: cross-site`` or its ``Origin`` is not ``http(s)://NAME:PORT`` with a
   NAME the allow-list above accepts and the PORT this server listens on (or, behind a reverse proxy, the port the
   request's own allowed ``Host`` names). So a web page elsewhere, even on another local port, cannot drive the
-  appliance through a visitor's browser. Clients that send no ``Origin`` (curl, SDKs) pass.
+  appliance through a visitor's browser. Clients that send no ``Origin`` (curl, SDKs) pass. The exception: a page
+  of an origin in ``http.cors_origins`` may call the API (``/v1/…``, ``/health``; :mod:`appliance.http.cors`
+  answers its preflights and adds the CORS headers), with the API token in a header: a cross-origin request is
+  never authorized by the session cookie.
 * **CSRF token.** A state-changing admin request (under ``/admin/``) must also carry the page's CSRF token in
   the ``X-CSRF-Token`` header (the admin page's htmx sends it on every request); else 403 ``FORBIDDEN``.
 """
@@ -36,9 +39,10 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.errors import ApplianceError
+from appliance.http import cors
 from appliance.http.errors import error_response
 
 if TYPE_CHECKING:
@@ -203,12 +207,14 @@ def bearer(request: Request) -> str | None:
     return value.strip()
 
 
-def authorized(request: Request, token: str, secret: bytes) -> bool:
-    """The request carries ``token`` (bearer, or the ``x-api-key`` header of Anthropic's clients) or a session cookie
-    made for it; constant-time comparisons."""
+def authorized(request: Request, token: str, secret: bytes, cookie_counts: bool = True) -> bool:
+    """The request carries ``token`` (bearer, or the ``x-api-key`` header of Anthropic's clients) or, where
+    ``cookie_counts``, a session cookie made for it; constant-time comparisons."""
     for given in (bearer(request), request.headers.get(API_KEY_HEADER)):
         if given and hmac.compare_digest(given.strip().encode(), token.encode()):
             return True
+    if not cookie_counts:
+        return False
     cookie = request.cookies.get(SESSION_COOKIE)
     return cookie is not None and hmac.compare_digest(cookie.encode(), session_value(secret, token).encode())
 
@@ -246,15 +252,20 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
     misaddressed = rule.refusal(request.headers.get("host"), local_address(request.scope)[0])
     if misaddressed is not None:
         return misaddressed
+    if cors.is_preflight(request.method, request.headers):
+        return None  # answered by the Guard (preflight_response): browsers send no credentials on one
+    foreign = cross_origin(request, rule)
     token = appliance.config.http.api_token
-    if token and path != LOGIN_PATH and not authorized(request, token, appliance.session_secret):
+    if token and path != LOGIN_PATH and not authorized(request, token, appliance.session_secret,
+                                                       cookie_counts=not foreign):
         return ApplianceError("UNAUTHORIZED", "this appliance requires its API token: send "
                                               "'Authorization: Bearer <http.api_token>' or 'x-api-key: "
                                               "<http.api_token>' (or log in at /admin/login)",
                               {"path": path})
     if request.method not in UNSAFE_METHODS:
         return None
-    if cross_origin(request, rule):
+    origin = request.headers.get("origin")
+    if foreign and not (origin is not None and cors.is_api(path) and cors_rule(appliance).allows(origin)):
         return ApplianceError("FORBIDDEN", "cross-origin request refused",
                               {"path": path, "origin": shown(request.headers.get("origin", ""))})
     if path.startswith("/admin/") and path != LOGIN_PATH:
@@ -265,8 +276,24 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
     return None
 
 
+def cors_rule(appliance: Appliance) -> cors.CorsRule:
+    return cors.CorsRule(appliance.config.http.cors_origins)
+
+
+def preflight_response(request: Request, appliance: Appliance) -> Response:
+    """A CORS preflight's answer: 204 with its headers, or the P4 error that says why it is refused."""
+    try:
+        headers = cors_rule(appliance).preflight(request.url.path, request.headers["origin"],
+                                                 request.headers["access-control-request-method"],
+                                                 request.headers.get("access-control-request-headers", ""))
+    except ApplianceError as error:
+        return error_response(error, request)
+    return Response(status_code=204, headers=dict(headers))
+
+
 class Guard:
-    """ASGI middleware: answer a refused request with its P4 error, pass the others on."""
+    """ASGI middleware: answer a refused request with its P4 error, a CORS preflight with its answer, pass the
+    others on; an API response to a page of an allowed origin gets the CORS headers."""
 
     def __init__(self, app: ASGIApp, appliance: Appliance) -> None:
         self.app = app
@@ -278,6 +305,13 @@ class Guard:
             return
         request = Request(scope)
         error = refusal(request, self.appliance)
+        if error is None and cors.is_preflight(request.method, request.headers):
+            await preflight_response(request, self.appliance)(scope, receive, send)
+            return
+        extra = cors.encoded(cors_rule(self.appliance).response_headers(request.url.path,
+                                                                       request.headers.get("origin")))
+        if extra:
+            send = with_headers(send, extra)
         if error is not None:
             response: Response = error_response(error, request)
             if error.code == "UNAUTHORIZED" and wants_page(request):
@@ -285,3 +319,14 @@ class Guard:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` that adds ``headers`` to the response's start."""
+
+    async def sender(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *headers]}
+        await send(message)
+
+    return sender

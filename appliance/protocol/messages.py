@@ -124,7 +124,7 @@ def _check_boolean(value: Any, name: str) -> bool:
 
 def _check_error_code(value: Any, name: str) -> str:
     if not isinstance(value, str) or value not in TABLE:
-        _fail(name, "must be a code of the P4 error table")
+        _fail(name, "must be a code of the appliance's error table")
     return value
 
 

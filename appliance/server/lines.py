@@ -100,7 +100,8 @@ def list_body(daemon: Daemon) -> list[str]:
     records = []
     for spec in daemon.config.models:
         state = loaded.get(spec.name, {})
-        records.append({"name": spec.name, "path": str(spec.path), "n_ctx": spec.n_ctx,
+        records.append({"name": spec.name, "state": daemon.model_state(spec.name), "path": str(spec.path),
+                        "n_ctx": spec.n_ctx,
                         "vram_bytes": spec.vram_bytes if spec.vram_bytes is not None else "auto",
                         "loaded": state.get("loaded", False), "refcount": state.get("refcount", 0),
                         "estimate_bytes": state.get("estimate_bytes"),

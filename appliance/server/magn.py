@@ -62,7 +62,7 @@ from appliance.protocol.frames import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from appliance.server.outcome import error_of, generate
+from appliance.server.outcome import embed, error_of, generate
 from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings, unread_bytes
 from appliance.server.pump import TokenPump
 
@@ -282,7 +282,8 @@ class MagnSession:
         task_id = request.task_id
         try:
             try:
-                result = await self.daemon.embed(request.model, request.input, request.dimensions)
+                result = await embed(self.daemon, surface="magn", model=request.model, inputs=request.input,
+                                     dimensions=request.dimensions)
                 answer: m.Message = await asyncio.to_thread(embeddings_answer, request, result.vectors,
                                                             result.prompt_tokens, self.daemon.config.max_frame_bytes)
             except Exception as exc:

@@ -9,6 +9,7 @@
   its next DECODE goes on from where its last completed one ended).
 * :func:`error_of`: any exception a request raised as the P4 error to send (unexpected ones are logged with their
   traceback and become a plain ``INTERNAL``: not retryable, without the exception's text).
+* :func:`embed`: one embeddings request (MAGN's EMBED_REQUEST, ``/v1/embeddings``), recorded like a generation.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 from appliance.daemon.core import Daemon
 from appliance.daemon.model import DecodeResult
 from appliance.daemon.requestlog import Outcome, RequestRecord, Surface
+from appliance.engine.embedding import Embeddings
 from appliance.engine.interface import Generation, PromptText, Sampling, Token
 from appliance.errors import ApplianceError, internal
 
@@ -104,4 +106,34 @@ def request_record(daemon: Daemon, surface: Surface, session_id: str | None, mod
         ttft_s=generation.ttft_s if generation is not None else None,
         elapsed_s=elapsed_s, outcome=outcome, error=failure.code if failure is not None else None,
         stop_reason=generation.stop_reason if generation is not None else None,
-        plan=result.plan if result is not None else None)
+        plan=result.plan if result is not None else None,
+        prompt_evaluated=generation.prompt_evaluated if generation is not None else None,
+        generation_s=generation.elapsed_s if generation is not None else None)
+
+
+async def embed(daemon: Daemon, *, surface: Surface, model: str, inputs: Sequence[str | Sequence[int]],
+                dimensions: int | None) -> Embeddings:
+    """The embeddings of ``inputs`` from ``model`` (:meth:`~appliance.daemon.core.Daemon.embed`); the request,
+    whatever its end, is one record in ``daemon.requests`` (``task="embed"``; ``surface``: who asked)."""
+    started = time.perf_counter()
+    result: Embeddings | None = None
+    failure: ApplianceError | None = None
+    try:
+        result = await daemon.embed(model, inputs, dimensions)
+        return result
+    except ApplianceError as exc:
+        failure = exc
+        raise
+    except asyncio.CancelledError:
+        failure = ApplianceError("CANCELLED", "the request was cancelled")
+        raise
+    finally:
+        spec = daemon.config.named(model)  # an alias is recorded under its model's name
+        outcome: Outcome = "ok"
+        if failure is not None:
+            outcome = "cancelled" if failure.code in ("CANCELLED", "SHUTTING_DOWN") else "error"
+        daemon.requests.add(RequestRecord(
+            at=time.time(), surface=surface, model=model if spec is None else spec.name, agent=None,
+            prompt_tokens=result.prompt_tokens if result is not None else 0, generated_tokens=0, ttft_s=None,
+            elapsed_s=time.perf_counter() - started, outcome=outcome,
+            error=failure.code if failure is not None else None, task="embed"))

@@ -21,7 +21,7 @@ from hostile_checks import HUNG_S
 
 from appliance.protocol import lines, paging
 from appliance.protocol import messages as m
-from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem
+from appliance.protocol.identifiers import AGENT_ID_RULE, agent_id_problem, user_agent_id
 
 MAX_AGENTS = 20
 
@@ -101,7 +101,7 @@ def test_agents_beyond_max_agents_are_refused_on_every_surface(hostile):
                                                                          {"max_agents": MAX_AGENTS}, True)
         form = admin_post(hostile, "register", "admin-agent")
         assert form.headers["x-appliance-outcome"] == "TOO_MANY_AGENTS" and "max_agents" in form.text
-        assert not {"magn-agent", "http-agent", "admin-agent"} & set(daemon.agents)
+        assert not {"magn-agent", "http-agent@demo", "admin-agent"} & set(daemon.agents)
 
         decoded = pipelined(hostile.socket, [f"DECODE {registered[0]} 2 hello"])[0]
         assert decoded.error is None and decoded.fields["generated_tokens"] == "2"  # already registered: works
@@ -164,10 +164,17 @@ COMMON_IDS = ["alice@example.com", "550e8400-e29b-41d4-a716-446655440000", "user
 """OpenAI ``user`` values as clients send them: e-mail addresses, a UUID, a name with digits."""
 
 
+def registered(surface: str, name: str) -> str:
+    """The agent a surface registers for ``name``: an OpenAI ``user`` names an end user, whose agent is theirs on the
+    model (``<user>@demo``, or its hashed form when that is too long)."""
+    return user_agent_id(name, "demo") if surface == "openai" else name
+
+
 def test_every_agent_id_registered_anywhere_can_be_unregistered_everywhere(hostile):
-    """An agent registered through the line protocol, an OpenAI ``user``, a MAGN session or the admin form is
-    named again by UNREGISTER and by the admin page's unregister form; an id outside the one rule is refused on
-    every surface with a structured error, and nothing is registered."""
+    """An agent registered through the line protocol, an OpenAI ``user`` (the user's agent on the model,
+    ``<user>@demo`` or its hashed form), a MAGN session or the admin form is named again by UNREGISTER and by the
+    admin page's unregister form; an id outside the one rule is refused on every surface with a structured error,
+    and nothing is registered."""
     daemon = hostile.app.daemon
     unregisters = ("line", "admin")
     pairs = [(register, unregisters[index % 2], f"{register[0]}{index}-{base}")  # each pair of surfaces, alternately
@@ -185,8 +192,9 @@ def test_every_agent_id_registered_anywhere_can_be_unregistered_everywhere(hosti
                 assert isinstance(started, m.TaskStart) and started.status == "started", started
             else:
                 assert admin_post(hostile, "register", agent).headers["x-appliance-outcome"] == "ok"
-            assert agent in daemon.agents
-        for _, unregister, agent in pairs:
+            assert registered(register, agent) in daemon.agents
+        for register, unregister, name in pairs:
+            agent = registered(register, name)
             if unregister == "line":
                 assert pipelined(hostile.socket, [f"UNREGISTER {agent}"])[0].error is None, agent
             else:
@@ -227,7 +235,7 @@ def test_idle_agents_expire_and_free_their_model(hostile):
                         + ["REGISTER idle-b demo-b"])
     assert [reply.error for reply in replies] == [None] * 6
     assert chat(hostile, user="idle-user").status_code == 200
-    idle = {f"idle-{index}" for index in range(5)} | {"idle-b", "idle-user"}
+    idle = {f"idle-{index}" for index in range(5)} | {"idle-b", "idle-user@demo"}  # a user's agent on demo
     deadline = time.monotonic() + HUNG_S
     while idle & set(daemon.agents):
         assert time.monotonic() < deadline, f"still registered: {sorted(idle & set(daemon.agents))}"
@@ -235,5 +243,5 @@ def test_idle_agents_expire_and_free_their_model(hostile):
     assert daemon.counters["agents_expired"] >= len(idle)
     assert daemon.model_state("demo-b") == "available"  # its only agent expired: unloaded (L4)
     assert chat(hostile, user="idle-user").status_code == 200  # registered anew
-    assert "idle-user" in daemon.agents
+    assert "idle-user@demo" in daemon.agents
     assert hostile.neighbour_served_since(hostile.neighbour.served)

@@ -25,6 +25,7 @@ import pytest
 from hostile_checks import HUNG_S
 
 from appliance.benchmark import apply as apply_module
+from appliance.config import filewrite
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "results" / "appliance_benchmark.json"
@@ -85,7 +86,9 @@ def post_apply(hostile, name: str) -> httpx.Response:  # type: ignore[no-untyped
     """The admin page's "Apply advice" as htmx sends it: same origin, the page's CSRF token."""
     url = hostile.http
     headers = {"Origin": url, "X-CSRF-Token": hostile.app.appliance.csrf_token, "HX-Request": "true"}
-    return httpx.post(f"{url}/admin/benchmarks/result/{name}/apply", headers=headers, timeout=HUNG_S)
+    # confirm=yes: past the confirmation that a run with caveats (all of these crafted ones) asks for first
+    return httpx.post(f"{url}/admin/benchmarks/result/{name}/apply", headers=headers, data={"confirm": "yes"},
+                      timeout=HUNG_S)
 
 
 def save_result(hostile, name: str, document: dict[str, Any]) -> Path:  # type: ignore[no-untyped-def]
@@ -223,7 +226,7 @@ def test_a_file_system_that_refuses_the_write_gives_the_command_too(hostile, mon
     def read_only_file_system(target: Path, text: str, original: os.stat_result | None) -> None:
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(apply_module, "_replace", read_only_file_system)
+    monkeypatch.setattr(filewrite, "_replace", read_only_file_system)
     response = post_apply(hostile, "erofs.json")
     assert response.headers["x-appliance-outcome"] == "FORBIDDEN", response.text
     assert f"cannot write {config}: Read-only file system" in response.text

@@ -57,7 +57,7 @@ ATTACK = """async ({csrf}) => {
 def rebinding_browser() -> Iterator[Any]:
     """Chromium resolving :data:`REBOUND` to 127.0.0.1; one per module (Playwright's sync API holds an event loop)."""
     if not CHROMIUM.exists():
-        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh")
+        pytest.fail(f"Debian's chromium is missing ({CHROMIUM}): run scripts/setup.sh test")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -129,7 +129,7 @@ def test_a_page_on_a_rebound_name_can_neither_read_nor_change_the_appliance(brow
 def test_the_admin_page_on_its_own_address_still_works(browser_page, hostile) -> None:
     browser_page.goto(hostile.http + "/admin/registry")
     browser_page.fill("#register-form input[name=agent]", "legit")
-    browser_page.fill("#register-form input[name=model]", "demo")
+    browser_page.select_option("#register-model", "demo")
     browser_page.click("#register-form button[type=submit]")
     browser_page.locator('#register-result [data-outcome="ok"]').wait_for(timeout=WAIT_MS)
     models = browser_page.evaluate(READ_MODELS)

@@ -6,12 +6,26 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from appliance.http.admin import benchmarks, chat, configuration, dashboard, device, login, registry
+from appliance.http.admin import (
+    addmodel,
+    benchmarks,
+    chat,
+    configuration,
+    dashboard,
+    device,
+    login,
+    registry,
+    rows,
+    tail,
+)
 
 routes: list[BaseRoute] = [
     *login.routes,
     *dashboard.routes,
     *registry.routes,
+    *rows.routes,
+    *addmodel.routes,
+    *tail.routes,
     *device.routes,
     *configuration.routes,
     *benchmarks.routes,

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from appliance.benchmark import quality
 from appliance.benchmark.apply import (
     AdviceRefused,
     AdviceRejected,
@@ -36,7 +37,7 @@ from appliance.benchmark.apply import (
 )
 from appliance.config.secrets import redact, values_of
 from appliance.errors import ApplianceError
-from appliance.http.admin import charts, figures, render
+from appliance.http.admin import charts, figures, pickers, render
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -285,11 +286,14 @@ def result_view(document: Mapping[str, Any]) -> dict[str, Any]:
     concurrency = section(document, "concurrency")
     slack_sweep = entries(document.get("slack_sweep"))
     thread_curve = entries(document.get("thread_curve"))
+    concurrency_curve = entries(document.get("concurrency_curve"))
     advice = advice_rows(entries(document.get("advice")))
+    caveats = quality.result_caveats(document)
     facts = [
         ("Benchmark", text_of(document.get("benchmark"))),
         ("Finished", optional(figures.format_time, document.get("finished_at"))),
         ("Run", run_kind(document.get("quick"))),
+        ("Caveats", quality.labels(caveats) or "none"),
         ("Took", optional(figures.format_seconds, document.get("wall_s"))),
         ("Config", text_of(document.get("config_path"))),
         ("Model", model_line(model)),
@@ -308,6 +312,9 @@ def result_view(document: Mapping[str, Any]) -> dict[str, Any]:
         "slack_sweep": [[form(row.get(key)) for key, _, form in SLACK_COLUMNS] for row in slack_sweep],
         "thread_curve": [(plain(row.get("threads")), tokens_per_s(row.get("tokens_per_s"))) for row in thread_curve],
         "thread_chart": thread_chart(thread_curve),
+        "concurrency_curve": [(plain(row.get("streams")), tokens_per_s(row.get("tokens_per_s")))
+                              for row in concurrency_curve],
+        "caveats": [caveat.text for caveat in caveats],
         "device_class": text_of(device_class.get("name")),
         "device_reason": text_of(device_class.get("reason")),
         "advice": advice,
@@ -386,7 +393,8 @@ async def benchmarks(request: Request) -> Response:
     folder = folder_of(appliance)
     results = await asyncio.to_thread(saved_results, folder)
     return render.page(request, "benchmarks.html", "benchmarks", folder=str(folder), results=results,
-                       run=job_of(appliance).status(), can_run=appliance.config_path is not None)
+                       run=job_of(appliance).status(), can_run=appliance.config_path is not None,
+                       model_groups=pickers.configured_names(appliance.config))
 
 
 async def run_status(request: Request) -> Response:
@@ -407,7 +415,9 @@ async def start_run(request: Request) -> Response:
         quick = fields.get("quick", "") not in ("", "0", "off")
         in_place = fields.get("in_place", "") not in ("", "0", "off")
         socket = appliance.config.socket.path if in_place else None
-        run = await job_of(appliance).start(appliance.config_path, folder_of(appliance), quick=quick, socket=socket)
+        model = benchmark_model(appliance, fields.get("model", ""))
+        run = await job_of(appliance).start(appliance.config_path, folder_of(appliance), quick=quick, socket=socket,
+                                            model=model)
     except ApplianceError as error:
         return render.result("The benchmark did not start.", error)
     kind = "quick " if run.quick else ""
@@ -415,11 +425,23 @@ async def start_run(request: Request) -> Response:
     return render.result(f"Started a {kind}benchmark run{where}; its result will be saved as {run.result_file}.")
 
 
+def benchmark_model(appliance: Appliance, name: str) -> str | None:
+    """The form's model: a configured model's name (the picker's), or None for the config's first when the form
+    sends none; BAD_REQUEST for a name the config does not have."""
+    if not name:
+        return None
+    if appliance.config.model(name) is None:
+        raise ApplianceError("BAD_REQUEST", f"no model named {name[:64]!r} in the config",
+                             {"field": "model", "known": [spec.name for spec in appliance.config.models]})
+    return name
+
+
 async def result_page(request: Request) -> Response:
     appliance = request.app.state.appliance
     name = request.path_params["file"]
     document = await asyncio.to_thread(read_result, folder_of(appliance), name)
-    return render.page(request, "benchmark.html", "benchmarks", file=name, view=result_view(document), applied=None)
+    return render.page(request, "benchmark.html", "benchmarks", file=name, view=result_view(document), applied=None,
+                       confirm=None)
 
 
 def render_block(template: str, block: str, **context: Any) -> str:
@@ -460,17 +482,29 @@ def write_advice(config_path: Path, document: Mapping[str, Any], result_file: Pa
                              {"file": str(config_path)}) from None
 
 
+CONFIRMED = "yes"
+"""The form's ``confirm`` value that applies the advice of a result with caveats."""
+
+
 async def apply_advice(request: Request) -> Response:
     """Write the result's advised keys into the running config's file (comments kept), then reload it with the
-    trigger ``benchmark``; answers the diff and the reload record."""
+    trigger ``benchmark``; answers the diff and the reload record. A result with caveats (a quick, single or
+    contended run: :mod:`appliance.benchmark.quality`) is applied only with ``confirm=yes`` in the form: without
+    it nothing is written and the answer (outcome ``confirm``) lists the caveats with the button that confirms."""
     appliance = request.app.state.appliance
     path = appliance.config_path
     try:
+        fields = await render.form_fields(request)
         document = await asyncio.to_thread(read_result, folder_of(appliance), request.path_params["file"])
         if path is None or appliance.reloader is None:
             raise ApplianceError("BAD_REQUEST", "this appliance was started without a config file: there is no "
                                  "file to write the advice into", {"config_file": None})
         name = request.path_params["file"]
+        caveats = quality.result_caveats(document)
+        if caveats and fields.get("confirm") != CONFIRMED:
+            html = render_block("benchmark.html", "confirm", file=name, confirm=[caveat.text for caveat in caveats],
+                                confirmed=CONFIRMED)
+            return HTMLResponse(html, headers={**render.HEADERS, render.OUTCOME_HEADER: "confirm"})
         applied = await asyncio.to_thread(write_advice, path, document, folder_of(appliance) / name,
                                           appliance.config.socket.path)
         if not applied.diff:

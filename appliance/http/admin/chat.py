@@ -10,15 +10,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from appliance.http.admin import render
+from appliance.http.admin import pickers, render
 
 DEFAULT_MAX_TOKENS = 64
 
 
 async def chat(request: Request) -> Response:
     daemon = render.daemon_of(request)
-    names = [spec.name for spec in daemon.config.models]
-    return render.page(request, "chat.html", "chat", model_names=names, max_tokens=DEFAULT_MAX_TOKENS)
+    return render.page(request, "chat.html", "chat", model_groups=pickers.model_groups(daemon.config),
+                       max_tokens=DEFAULT_MAX_TOKENS)
 
 
 routes = [Route("/admin/chat", chat, methods=["GET"])]

@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from appliance.http.admin import figures, render
+from appliance.daemon import offload
+from appliance.http.admin import figures, render, tail
 from appliance.protocol import paging
 
 if TYPE_CHECKING:
@@ -28,7 +29,8 @@ RESTORED = {"none": "\u2014", "device": "device", "host": "host RAM", "disk": "d
 
 
 def model_rows(daemon: Daemon) -> list[dict[str, Any]]:
-    """Every configured model (and any other the daemon resolved: a GGUF path, a retired one), in config order."""
+    """Every configured model (and any other the daemon resolved: a GGUF path, a retired one), in config order, with
+    where its layers run (:func:`appliance.daemon.offload.record`; None before its first load)."""
     now = daemon.clock()
     rows = []
     names = [spec.name for spec in daemon.config.models]
@@ -38,15 +40,17 @@ def model_rows(daemon: Daemon) -> list[dict[str, Any]]:
         if model is None:  # configured, never used since start
             spec = daemon.config.model(name)
             assert spec is not None
-            rows.append({"name": name, "state": "available", "estimate": spec.vram_bytes, "measured": None,
-                         "refcount": 0, "inflight": 0, "ttl_s": spec.idle_ttl_s, "ttl_left": None, "retired": False})
+            rows.append({"name": name, "state": daemon.model_state(name), "estimate": spec.vram_bytes, "measured": None,
+                         "refcount": 0, "inflight": 0, "ttl_s": spec.idle_ttl_s, "ttl_left": None, "retired": False,
+                         **offload.record(None)})
             continue
         ttl_left = figures.ttl_left(loaded=model.runtime is not None, refcount=model.refcount,
                                     inflight=model.inflight, idle_ttl_s=model.spec.idle_ttl_s,
                                     last_used=model.last_used, now=now)
-        rows.append({"name": name, "state": model.state, "estimate": model.estimate, "measured": model.measured,
+        rows.append({"name": name, "state": daemon.model_state(name), "estimate": model.estimate,
+                     "measured": model.measured,
                      "refcount": model.refcount, "inflight": model.inflight, "ttl_s": model.spec.idle_ttl_s,
-                     "ttl_left": ttl_left, "retired": model.retired})
+                     "ttl_left": ttl_left, "retired": model.retired, **offload.record(model.offload)})
     return rows
 
 
@@ -113,6 +117,7 @@ def figures_of(appliance: Appliance, offset: int) -> dict[str, Any]:
     now = time.time()
     return {
         "device": snapshot["device"],
+        "memory": figures.memory_names(snapshot["device"]["kind"]),  # "VRAM ledger" or "Ledger" (host RAM)
         "process_used": reading.process_used,
         "ledger": snapshot["ledger"],
         "ledger_free": ledger.free,
@@ -140,7 +145,7 @@ async def dashboard(request: Request) -> Response:
     appliance = request.app.state.appliance
     offset = paging.parse_offset(request.query_params.get("offset"))
     return render.page(request, "dashboard.html", "dashboard", **figures_of(appliance, offset),
-                       tuning=tuning_of(appliance))
+                       tuning=tuning_of(appliance), log=tail.tail_of(appliance.log_tail))
 
 
 async def dashboard_partial(request: Request) -> Response:

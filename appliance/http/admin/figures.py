@@ -49,6 +49,27 @@ def format_time(at: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) + " UTC"
 
 
+def format_clock(at: float) -> str:
+    """A wall-clock time (seconds since the epoch) as UTC ``HH:MM:SS`` (a log line's time)."""
+    return time.strftime("%H:%M:%S", time.gmtime(at))
+
+
+@dataclass(frozen=True)
+class MemoryNames:
+    """What the page calls the memory the ledger admits into: the bar's heading and the memory itself."""
+
+    ledger: str
+    memory: str
+
+
+def memory_names(kind: str) -> MemoryNames:
+    """A device kind's names (``DeviceReading.kind``): VRAM on an accelerator (``nvml``; ``fake``, the stand-in for
+    one on a box without a GPU), host RAM on ``host``."""
+    if kind == "host":
+        return MemoryNames("Ledger", "host RAM")
+    return MemoryNames("VRAM ledger", "device memory")
+
+
 @dataclass(frozen=True)
 class Segment:
     """One stretch of the ledger bar: ``offset`` and ``width`` are percentages of the bar."""

@@ -5,15 +5,17 @@ names at most :data:`paging.HOLDERS_SHOWN` of its agents: the page stays small h
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from appliance.config import schema
 from appliance.daemon import policy
 from appliance.errors import ApplianceError
-from appliance.http.admin import render
+from appliance.http.admin import pickers, render
 from appliance.protocol import paging
 from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from appliance.daemon.core import Daemon
     from appliance.daemon.model import Model
 
+N_CTX = schema.BY_KEY["models[].n_ctx"]
 MAX_MODEL_CHARS = 1024
 """A model name, or a GGUF path inside the model directories."""
 
@@ -40,8 +43,7 @@ def listing(daemon: Daemon, offset: int) -> dict[str, Any]:
                        "more_agents": max(0, len(held) - paging.HOLDERS_SHOWN)})
     page = paging.page_of(list(daemon.agents.values()), offset, paging.ADMIN_AGENTS)
     agents = [{"id": agent.id, "model": agent.model.key} for agent in page.items]
-    return {"models": models, "agents": agents, "agents_page": page,
-            "model_names": [spec.name for spec in daemon.config.models]}
+    return {"models": models, "agents": agents, "agents_page": page}
 
 
 def agent_field(fields: dict[str, str]) -> str:
@@ -76,7 +78,13 @@ async def unload_unheld(daemon: Daemon, name: str) -> bool:
 async def registry(request: Request) -> Response:
     daemon = render.daemon_of(request)
     offset = paging.parse_offset(request.query_params.get("offset"))
-    return render.page(request, "registry.html", "registry", **listing(daemon, offset))
+    files = await asyncio.to_thread(pickers.unconfigured_files, daemon.config)
+    groups = pickers.model_groups(daemon.config, known=daemon.models, files=files)
+    adding = {"can": request.app.state.appliance.config_path is not None, "files": pickers.file_groups(files),
+              "n_ctx": N_CTX.default, "n_ctx_min": N_CTX.minimum, "n_ctx_max": N_CTX.maximum,
+              "model_dirs": [str(folder) for folder in daemon.config.model_dirs]}
+    return render.page(request, "registry.html", "registry", model_groups=groups, adding=adding,
+                       **listing(daemon, offset))
 
 
 async def registry_partial(request: Request) -> Response:
@@ -101,41 +109,57 @@ async def unregister(request: Request) -> Response:
     try:
         daemon = render.daemon_of(request)
         fields = await render.form_fields(request)
-        agent_id = agent_field(fields)
-        await daemon.unregister(agent_id, reason="admin page")
+        message = await unregister_agent(daemon, agent_field(fields))
     except ApplianceError as error:
         return render.result("Unregister failed.", error)
-    return render.result(f"Agent {agent_id} unregistered.")
+    return render.result(message)
 
 
 async def load(request: Request) -> Response:
     try:
         daemon = render.daemon_of(request)
         fields = await render.form_fields(request)
-        if daemon.closing:
-            raise ApplianceError("SHUTTING_DOWN")
-        model = daemon.resolve(render.required(fields, "model", max_chars=MAX_MODEL_CHARS))
-        was_loaded = model.runtime is not None
-        await daemon.acquire(model)
+        message = await load_model(daemon, render.required(fields, "model", max_chars=MAX_MODEL_CHARS))
     except ApplianceError as error:
         return render.result("Load failed.", error)
-    if was_loaded:
-        return render.result(f"Model {model.key} was already loaded.")
-    return render.result(f"Model {model.key} loaded ({model.estimate} bytes reserved); with no agent on it, the "
-                         f"idle sweep unloads it after {model.spec.idle_ttl_s:g} s.")
+    return render.result(message)
 
 
 async def unload(request: Request) -> Response:
     try:
         daemon = render.daemon_of(request)
         fields = await render.form_fields(request)
-        name = render.required(fields, "model", max_chars=MAX_MODEL_CHARS)
-        unloaded = await unload_unheld(daemon, name)
+        message = await unload_model(daemon, render.required(fields, "model", max_chars=MAX_MODEL_CHARS))
     except ApplianceError as error:
         return render.result("Unload failed.", error)
-    if not unloaded:
-        return render.result(f"Model {name} was not loaded.")
-    return render.result(f"Model {name} unloaded.")
+    return render.result(message)
+
+
+async def unregister_agent(daemon: Daemon, agent_id: str) -> str:
+    """Unregister ``agent_id`` (its model unloads with its last agent); what the page says."""
+    await daemon.unregister(agent_id, reason="admin page")
+    return f"Agent {agent_id} unregistered."
+
+
+async def load_model(daemon: Daemon, ref: str) -> str:
+    """Load the model ``ref`` (a name, an alias or a GGUF path) without an agent: the daemon's ``acquire``, as a
+    request's first use of it would; the idle sweep unloads it after its TTL. What the page says."""
+    if daemon.closing:
+        raise ApplianceError("SHUTTING_DOWN")
+    model = daemon.resolve(ref)
+    was_loaded = model.runtime is not None
+    await daemon.acquire(model)
+    if was_loaded:
+        return f"Model {model.key} was already loaded."
+    return (f"Model {model.key} loaded ({model.estimate} bytes reserved); with no agent on it, the idle sweep "
+            f"unloads it after {model.spec.idle_ttl_s:g} s.")
+
+
+async def unload_model(daemon: Daemon, ref: str) -> str:
+    """Unload the model ``ref`` unless it is held (:func:`unload_unheld`); what the page says."""
+    if not await unload_unheld(daemon, ref):
+        return f"Model {ref} was not loaded."
+    return f"Model {ref} unloaded."
 
 
 routes = [

@@ -53,6 +53,7 @@ def environment() -> jinja2.Environment:
     env.filters["bytes"] = figures.format_bytes
     env.filters["seconds"] = figures.format_seconds
     env.filters["when"] = figures.format_time
+    env.filters["clock"] = figures.format_clock
     return env
 
 
@@ -77,11 +78,20 @@ def fragment(template: str, headers: dict[str, str] | None = None, **context: An
 def result(message: str, error: ApplianceError | None = None) -> HTMLResponse:
     """An action's result for its form's result area (see the module docstring): ``message`` on success, else the
     P4 error with its details (a ledger denial's figures by name)."""
-    headers = {OUTCOME_HEADER: "ok", "HX-Trigger": CHANGED_EVENT}
+    return fragment("_result.html", headers=outcome_headers(error), **result_context(message, error))
+
+
+def outcome_headers(error: ApplianceError | None) -> dict[str, str]:
+    """An action's response headers: its outcome, and on success the event that refreshes the page's listings."""
     if error is not None:
-        headers = {OUTCOME_HEADER: error.code}
+        return {OUTCOME_HEADER: error.code}
+    return {OUTCOME_HEADER: "ok", "HX-Trigger": CHANGED_EVENT}
+
+
+def result_context(message: str, error: ApplianceError | None) -> dict[str, Any]:
+    """What ``_result.html`` shows."""
     denial = figures.denial_figures(error.details) if error is not None and error.code == "VRAM_LEDGER_DENY" else []
-    return fragment("_result.html", headers=headers, message=message, error=error, denial=denial)
+    return {"message": message, "error": error, "denial": denial}
 
 
 async def form_fields(request: Request) -> dict[str, str]:

@@ -219,6 +219,29 @@ def test_warm_up_runs_seed_the_profile_off_the_request_path(tmp_path: Path, wide
     asyncio.run(scenario())
 
 
+def test_warm_up_runs_that_do_not_fit_a_small_context_are_skipped(tmp_path: Path, tiny_model: Path) -> None:
+    """At n_ctx 128 the longer warm-up prompts (64 words) cannot fit: those runs are skipped, the others seed the
+    profile, and no task ends with an exception nobody retrieves (it used to: CONTEXT_OVERFLOW)."""
+    async def scenario() -> None:
+        text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tiny_model.parent)],
+                "engine": {"warmup_runs": 4, "live_slots": 1},
+                "models": [{"name": "m", "path": str(tiny_model), "n_ctx": 128}]}
+        daemon = Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), Engine(1))
+        try:
+            await daemon.register("a", "m")
+            tasks = list(daemon.adaptive.tasks)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert not [r for r in results if isinstance(r, BaseException)], results
+            model = daemon.models["m"]
+            assert 1 <= len(model.tuner.profile) < 4  # the runs that fit
+            result = await daemon.decode("a", 4, "Hello")
+            assert result.generation.generated_tokens == 4
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())
+
+
 def test_async_switch_off_rebuilds_inline_at_the_next_request(tmp_path: Path, wide_model: Path) -> None:
     async def scenario() -> None:
         config = daemon_config(tmp_path, wide_model, threads=2, async_switch=False)

@@ -421,15 +421,23 @@ class AdaptiveLoop:
 
     async def warm_up(self, model: Model, runs: int) -> int:
         """``runs`` short generations on a throwaway conversation seed ``model``'s profile; returns those that
-        ran (one is skipped while a request of the model is in flight)."""
+        ran (one is skipped while a request of the model is in flight, and one whose prompt does not fit a small
+        ``n_ctx``)."""
         done = 0
         try:
             for index in range(runs):
                 runtime = model.runtime
                 if runtime is None or self.daemon.closing:
                     break
-                request = await self.daemon.engine.call(runtime.warm_up, warmup_prompt(index), WARMUP_TOKENS,
-                                                        GREEDY, queue=("warmup", model.key))
+                try:
+                    request = await self.daemon.engine.call(runtime.warm_up, warmup_prompt(index), WARMUP_TOKENS,
+                                                            GREEDY, queue=("warmup", model.key))
+                except ApplianceError as exc:
+                    if exc.code != "CONTEXT_OVERFLOW":
+                        raise
+                    log.debug("model %s: warm-up run %d skipped: its prompt does not fit n_ctx %d", model.key,
+                              index, model.spec.n_ctx)
+                    continue
                 if request is None:
                     continue
                 self.tuner(model).seed(RequestSample(

@@ -278,22 +278,10 @@ def decode_tokens_per_s(served: Served, tokens: int, repeats: int) -> float | No
     body = {"model": served.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     rates = []
-    with httpx.Client(base_url=served.base_url, timeout=600) as http:
-        for _ in range(repeats):
-            first = None
-            last = None
-            generated = 0
-            for chunk in completion_chunks(http, body):
-                usage = chunk.get("usage")
-                if usage:
-                    generated = int(usage.get("completion_tokens", 0))
-                    continue
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                last = now
-            if first is not None and last is not None and generated >= 2 and last > first:
-                rates.append((generated - 1) / (last - first))
+    for _ in range(repeats):
+        rate = aggregate_tokens_per_s([stream_timing(served.base_url, body)])
+        if rate is not None:
+            rates.append(rate)
     return statistics.median(rates) if rates else None
 
 

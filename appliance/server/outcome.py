@@ -83,6 +83,14 @@ async def generate(daemon: Daemon, *, surface: Surface, prompt: PromptText, max_
             daemon.requests.add(record)
 
 
+def outcome_of(failure: ApplianceError | None) -> Outcome:
+    """A request's outcome in the request log: ``ok``, ``cancelled`` (its client left, or the stop's grace ran out)
+    or ``error``."""
+    if failure is None:
+        return "ok"
+    return "cancelled" if failure.code in ("CANCELLED", "SHUTTING_DOWN") else "error"
+
+
 def request_record(daemon: Daemon, surface: Surface, session_id: str | None, model: str | None,
                    result: DecodeResult | None, failure: ApplianceError | None,
                    elapsed_s: float) -> RequestRecord | None:
@@ -96,15 +104,12 @@ def request_record(daemon: Daemon, surface: Surface, session_id: str | None, mod
     if model_name is None:
         return None
     generation = result.generation if result is not None else None
-    outcome: Outcome = "ok"
-    if failure is not None:
-        outcome = "cancelled" if failure.code in ("CANCELLED", "SHUTTING_DOWN") else "error"
     return RequestRecord(
         at=time.time(), surface=surface, model=model_name, agent=session_id,
         prompt_tokens=generation.prompt_tokens if generation is not None else 0,
         generated_tokens=generation.generated_tokens if generation is not None else 0,
         ttft_s=generation.ttft_s if generation is not None else None,
-        elapsed_s=elapsed_s, outcome=outcome, error=failure.code if failure is not None else None,
+        elapsed_s=elapsed_s, outcome=outcome_of(failure), error=failure.code if failure is not None else None,
         stop_reason=generation.stop_reason if generation is not None else None,
         plan=result.plan if result is not None else None,
         prompt_evaluated=generation.prompt_evaluated if generation is not None else None,
@@ -129,11 +134,8 @@ async def embed(daemon: Daemon, *, surface: Surface, model: str, inputs: Sequenc
         raise
     finally:
         spec = daemon.config.named(model)  # an alias is recorded under its model's name
-        outcome: Outcome = "ok"
-        if failure is not None:
-            outcome = "cancelled" if failure.code in ("CANCELLED", "SHUTTING_DOWN") else "error"
         daemon.requests.add(RequestRecord(
             at=time.time(), surface=surface, model=model if spec is None else spec.name, agent=None,
             prompt_tokens=result.prompt_tokens if result is not None else 0, generated_tokens=0, ttft_s=None,
-            elapsed_s=time.perf_counter() - started, outcome=outcome,
+            elapsed_s=time.perf_counter() - started, outcome=outcome_of(failure),
             error=failure.code if failure is not None else None, task="embed"))

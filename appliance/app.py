@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from appliance.daemon.statefiles import StateFiles
 from appliance.engine.adaptive import Tuner
 from appliance.engine.interface import EngineProtocol
 from appliance.errors import ApplianceError, StartupError
+from appliance.http.affinity import instance_report
 from appliance.http.app import HttpServer, create_app
 from appliance.server.listener import SocketServer
 from appliance.supervisor.logtail import LogTail
@@ -46,13 +48,13 @@ log = logging.getLogger(__name__)
 
 def ensure_demo_models(config: Config) -> list[Path]:
     """Write the tiny random models that the config asks for and that are missing (offline first run)."""
-    from appliance.engine.tinymodel import write_tiny_model
-
     made = []
     for model in config.models:
         tiny = model.generate_if_missing
         if tiny is None or model.path.exists():
             continue
+        from appliance.engine.tinymodel import write_tiny_model  # lazy: the GGUF writer (gguf) only to write one
+
         log.info("writing demo model %s (%d layers, %d wide) to %s", model.name, tiny.layers, tiny.dim, model.path)
         try:
             model.path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,6 +334,7 @@ class Appliance:
         self.daemon.reports["config"] = self.config_report
         self.daemon.reports["reload"] = self.reload_history
         self.daemon.reports["state_files"] = self.state_files.report
+        self.daemon.reports["instance"] = functools.partial(instance_report, self)  # STATUS: the fleet's name
         await self._open_store(self.daemon)
         if self._http_enabled:  # bind first: a busy port fails the start before anything else is up
             self.http_server = HttpServer(create_app(self), config.http.host, config.http.port)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
-from appliance.client import lines as lineclient
 from appliance.daemon import registry
 from appliance.errors import STARTUP_EXIT_CODES, ApplianceError, StartupError
 from appliance.protocol.lines import parse_fields
@@ -199,6 +198,8 @@ def socket_path(args: argparse.Namespace) -> Path:
 
 def request_line(args: argparse.Namespace, line: str, timeout: float = 300.0) -> str:
     """Send one line-protocol command to the daemon and return its reply."""
+    from appliance.client import lines as lineclient  # lazy: `appliance run` needs no client (about 1 MiB)
+
     target = reachable_socket(args)
     try:
         return lineclient.request(target.socket, line, timeout)
@@ -442,6 +443,7 @@ def apply_advice(args: argparse.Namespace, path: Path, result: dict[str, Any], r
     except CliError:
         print("no appliance answers on this config's socket: the advice applies at its next start", file=sys.stderr)
         return
+    from appliance.client import lines as lineclient  # lazy: see request_line
     from appliance.protocol.lines import parse_reply
 
     reply = parse_reply(lineclient.request(target.socket, "RELOAD benchmark", 120))
@@ -640,6 +642,8 @@ def table_command(line: str, lists: tuple[str, ...],
     record kinds ``verbose_only`` only with ``--verbose`` (the JSON always has them)."""
 
     def run(args: argparse.Namespace) -> int:
+        from appliance.client import lines as lineclient  # lazy: see request_line
+
         reply = request_line(args, line, args.timeout)
         if reply.startswith("ERR "):
             sys.stdout.write(reply)
@@ -658,6 +662,7 @@ def table_command(line: str, lists: tuple[str, ...],
 
 def cmd_ps(args: argparse.Namespace) -> int:
     """The loaded models, one line each (:mod:`appliance.client.ps`), from the running appliance's STATUS."""
+    from appliance.client import lines as lineclient  # lazy: see request_line
     from appliance.client import ps
 
     reply = request_line(args, "STATUS", args.timeout)

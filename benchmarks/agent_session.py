@@ -82,8 +82,15 @@ from appliance.benchmark.session import (
     session_workload,
 )
 from appliance.engine.gguf_meta import kv_bytes, read_model_shape
-from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
-from benchmarks.concurrency import NOISY_SHARE, BoxLoad
+from benchmarks.common import (
+    NOISY_SHARE,
+    BoxLoad,
+    add_output_args,
+    fill_defaults,
+    finish,
+    machine,
+    tiny_model,
+)
 from benchmarks.protocol.servers import appliance_config
 from benchmarks.protocol.workload import MODEL_NAME
 
@@ -134,6 +141,19 @@ def appliance_server(model: Path, strategy: Strategy) -> Iterator[Served]:
 
 
 # -- running a session ---------------------------------------------------------------------------------------------
+
+
+def interleaved_runs(model: Path, workloads: Sequence[Workload], fixed: Strategy, adaptive: Strategy,
+                     repeats: int) -> list[dict[str, Any]]:
+    """Every workload under both strategies, ``repeats`` times, the strategies' order alternating per repetition."""
+    runs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        order = [fixed, adaptive] if repeat % 2 == 0 else [adaptive, fixed]
+        print(f"repetition {repeat + 1} of {repeats}, order {order[0].name} then {order[1].name}", flush=True)
+        for workload in workloads:
+            for strategy in order:
+                runs.append(measure(model, strategy, workload, repeat))
+    return runs
 
 
 def measure(model: Path, strategy: Strategy, workload: Workload, repeat: int) -> dict[str, Any]:
@@ -378,13 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loadavg_start = os.getloadavg()
     load = BoxLoad()
     started = time.perf_counter()
-    runs: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
-        order = [fixed, adaptive] if repeat % 2 == 0 else [adaptive, fixed]
-        print(f"repetition {repeat + 1} of {args.repeats}, order {order[0].name} then {order[1].name}", flush=True)
-        for workload in workloads:
-            for strategy in order:
-                runs.append(measure(model, strategy, workload, repeat))
+    runs = interleaved_runs(model, workloads, fixed, adaptive, args.repeats)
     grid = None
     if not args.no_grid:
         phase_shift = workloads[1]

@@ -1,28 +1,33 @@
-"""Concurrent agents on one model: the appliance's batched engine against itself one agent at a time and against
-llama.cpp's own ``llama-server -np N`` (SPEC L9, issue #11).
+"""Concurrent agents on one model: the appliance against llama.cpp's own ``llama-server -np N``, both on their
+defaults and with flash attention equal, and against itself one agent at a time.
 
 One run, one model (12 layers x 768, f16), the same threads everywhere (2). For N in 1, 2, 4, 8 agents, each agent
 sends its own 64-token prompt (BOS included; distinct per agent) and streams 64 greedy tokens, all N at once:
 
-* **appliance batched**: ``python -m appliance run`` (its own process) with ``engine.live_slots: 8``; each agent
-  streams ``POST /v1/completions`` (``user`` names the agent) on its own connection;
+* **appliance defaults**: ``python -m appliance run`` (its own process) with ``engine.live_slots: 8`` and the threads
+  set, every other engine setting (flash attention, the adaptive engine) its default; each agent streams
+  ``POST /v1/completions`` (``user`` names the agent) on its own connection;
 * **appliance one-at-a-time**: the same with ``engine.live_slots: 1`` (the engine before batching);
-* **llama-server -np N**: llama.cpp's server built from the llama.cpp vendored in the pinned llama-cpp-python's
-  sdist (``python -m benchmarks.peer build``; skipped with a note when not built, ``--build`` builds it first);
+* **appliance flash on / off**: ``engine.flash_attention: true`` / ``false``;
+* **llama-server defaults / flash on / flash off**: ``llama-server -np N`` without ``--flash-attn`` (its default),
+  with ``--flash-attn on`` and ``off``; built from the llama.cpp vendored in the pinned llama-cpp-python's sdist
+  (``python -m benchmarks.peer build``; absent with a note when not built, ``--build`` builds it first);
 * **llama-batched-bench**: the generation tokens/s of N sequences from the same build, the ceiling of this box.
 
 Each agent's prompt is chosen so that its greedy continuation is 64 tokens of plain text (no EOS, no lone bytes of
 a multi-byte character), computed alone in-process first; every streamed text is compared with it.
 
 For each N, every path gets a fresh server (so its peak RSS is its own) and two untimed warm-up requests; then
-``--rounds`` rounds (3), each path in a fresh random order running one burst of the N agents (new agent names each
-round, so no prompt is found in a cache). Per path and N: aggregate tokens/s (every streamed token / wall time from
-the first request sent to the last token; the median over the rounds), TTFT P50/P99 (client side, over every agent
-of every round) and the server process's peak RSS (VmHWM).
+rounds, each path in a fresh random order running one burst of the N agents (new agent names each round, so no
+prompt is found in a cache). A round during which other processes used more than 10 % of the box's CPU (``/proc/stat``
+less this process's and the servers' ``/proc/<pid>/stat`` ticks) is dropped and re-run, up to ``--max-reruns``
+times; with fewer than ``--rounds`` (3) clean rounds the HEADLINE says NOISY. Per path and N, over the kept rounds:
+aggregate tokens/s (every streamed token / wall time from the first request sent to the last token; the median),
+TTFT P50/P99 (client side, over every agent of every round) and the server process's peak RSS (VmHWM).
 
-Targets (issue #11): appliance batched with 4 agents >= 1.6x its one-at-a-time figure, with 8 >= 2.0x; at least
-llama-server's tokens/s at every N; TTFT P99 no worse than llama-server's. Exit 1 when a stream did not deliver
-exactly its tokens (the figures would not compare).
+Targets: on defaults, at least llama-server's tokens/s at every N and a TTFT P99 no worse than its; the appliance on
+defaults with 4 agents >= 1.6x itself one at a time, with 8 >= 2.0x. Exit 1 when a stream of a path that must
+deliver exactly its tokens (llama-server, asked to ignore EOS, and the appliance with flash attention off) did not.
 
 Run ``python -m benchmarks.concurrency`` (``--quick`` for a seconds-long smoke run on the 4x256 model, without the
 peer with ``--no-peer``).
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import shutil
 import statistics
@@ -53,7 +57,16 @@ import yaml
 from appliance.benchmark.session import PROMPT_WORDS, chunk_text, completion_chunks, percentile
 from appliance.config.schema import SETTINGS
 from benchmarks import peer
-from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
+from benchmarks.common import (
+    FOREIGN_CPU_LIMIT,
+    BoxLoad,
+    add_output_args,
+    fill_defaults,
+    finish,
+    machine,
+    run_clean_rounds,
+    tiny_model,
+)
 from benchmarks.protocol.servers import Process, appliance_config, free_port
 from benchmarks.protocol.workload import MODEL_NAME
 
@@ -63,11 +76,13 @@ SLOTS_KEY = "live_slots"
 BATCHED_SLOTS = 8
 TARGET_RATIO_4 = 1.6
 TARGET_RATIO_8 = 2.0
+TARGET_VS_LLAMA_SERVER = 1.0
+"""On defaults the appliance's aggregate tokens/s is at least this times llama-server's, and its TTFT P99 at most
+llama-server's, at every N."""
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_PROMPT = "Hello world, this is a warm up"
 WARMUP_TOKENS = 4
 WARMUP_REQUESTS = 2
-NOISY_SHARE = 0.05
 SETTLE_S = 0.2  # pause before each burst: the previous server's llama.cpp threads stop spinning
 PROMPT_CANDIDATES = 400
 NEAR_TIE = 0.005
@@ -78,33 +93,63 @@ texts compare exactly)."""
 
 @dataclass(frozen=True)
 class PathSpec:
-    """One way of serving the agents."""
+    """One way of serving the agents. ``flash_attention`` None passes no flash attention setting: the server's own
+    default."""
 
     name: str
     label: str
     kind: str  # appliance | llama-server
     live_slots: int | None = None  # the appliance's engine.live_slots
-    flash_attention: bool = False  # the appliance's engine.flash_attention (informational: texts may differ)
+    flash_attention: bool | None = None
+
+    @property
+    def strict(self) -> bool:
+        """Whether every stream must deliver exactly the asked tokens (the run exits 1 otherwise): llama-server (asked
+        to ignore EOS) and the appliance with flash attention off (its texts are the solo ones). With flash attention
+        on a batched text may part from the solo one and end early: informational."""
+        return self.kind == "llama-server" or self.flash_attention is False
 
 
-def appliance_paths() -> tuple[PathSpec, PathSpec, PathSpec]:
-    return (PathSpec("appliance_batched", f"appliance, engine.{SLOTS_KEY}: {BATCHED_SLOTS}", "appliance",
-                     BATCHED_SLOTS),
-            PathSpec("appliance_one_at_a_time", f"appliance, engine.{SLOTS_KEY}: 1", "appliance", 1),
-            PathSpec("appliance_flash", f"appliance, engine.{SLOTS_KEY}: {BATCHED_SLOTS}, flash_attention: true",
-                     "appliance", BATCHED_SLOTS, flash_attention=True))
+def appliance_paths(flash_off: bool = True) -> list[PathSpec]:
+    """The appliance on its defaults (only the slots for 8 agents and the threads set), one at a time, and with flash
+    attention on (and off) as the flash-equal partners of llama-server's."""
+    paths = [PathSpec("appliance_defaults", f"appliance defaults, engine.{SLOTS_KEY}: {BATCHED_SLOTS}", "appliance",
+                      BATCHED_SLOTS),
+             PathSpec("appliance_one_at_a_time", f"appliance defaults, engine.{SLOTS_KEY}: 1", "appliance", 1),
+             PathSpec("appliance_flash_on", f"appliance, engine.{SLOTS_KEY}: {BATCHED_SLOTS}, flash_attention: true",
+                      "appliance", BATCHED_SLOTS, flash_attention=True)]
+    if flash_off:
+        paths.append(PathSpec("appliance_flash_off", f"appliance, engine.{SLOTS_KEY}: {BATCHED_SLOTS}, "
+                                                     f"flash_attention: false", "appliance", BATCHED_SLOTS,
+                              flash_attention=False))
+    return paths
 
 
-LLAMA_SERVER = PathSpec("llama_server", "llama-server -np N", "llama-server")
+def llama_server_paths(flash_off: bool = True) -> list[PathSpec]:
+    """``llama-server -np N`` on its defaults (no ``--flash-attn``), with ``--flash-attn on`` (and ``off``)."""
+    paths = [PathSpec("llama_server_defaults", "llama-server -np N (defaults)", "llama-server"),
+             PathSpec("llama_server_flash_on", "llama-server -np N --flash-attn on", "llama-server",
+                      flash_attention=True)]
+    if flash_off:
+        paths.append(PathSpec("llama_server_flash_off", "llama-server -np N --flash-attn off", "llama-server",
+                              flash_attention=False))
+    return paths
+
+
+PAIRS = {"defaults": ("appliance_defaults", "llama_server_defaults"),
+         "flash_on": ("appliance_flash_on", "llama_server_flash_on"),
+         "flash_off": ("appliance_flash_off", "llama_server_flash_off")}
+"""The side-by-side comparisons: each on its own defaults, and with flash attention equal (on; off)."""
 
 
 def engine_settings(path: PathSpec, threads: int) -> dict[str, int | bool]:
-    """The ``engine:`` keys the appliance runs with on ``path``; the one place :data:`SLOTS_KEY` is set."""
+    """The ``engine:`` keys the appliance runs with on ``path``; the one place :data:`SLOTS_KEY` is set. Flash
+    attention only when the path sets it (else the appliance's own default)."""
     if path.live_slots is None:
         raise ValueError(f"{path.name} is not an appliance path")
     settings: dict[str, int | bool] = {"threads": threads, SLOTS_KEY: path.live_slots}
-    if path.flash_attention:
-        settings["flash_attention"] = True
+    if path.flash_attention is not None:
+        settings["flash_attention"] = path.flash_attention
     return settings
 
 
@@ -334,19 +379,23 @@ def appliance_server(model: Path, path: PathSpec, args: argparse.Namespace) -> I
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, n: int, args: argparse.Namespace) -> Iterator[Served]:
-    """``llama-server -np n``, each slot room for one agent's prompt and tokens (and 64 spare)."""
+def llama_server(binary: Path, model: Path, n: int, path: PathSpec, args: argparse.Namespace) -> Iterator[Served]:
+    """``llama-server -np n`` with ``path``'s flash attention, each slot room for one agent's prompt and tokens (and
+    64 spare)."""
     slot_ctx = args.prompt_tokens + args.tokens + 64
-    log = Path(tempfile.gettempdir()) / f"conc-llama-server-{n}.log"
-    with peer.LlamaServer(binary, model, n_parallel=n, threads=args.threads, n_ctx=slot_ctx, log=log) as server:
+    log = Path(tempfile.gettempdir()) / f"conc-{path.name}-{n}.log"
+    with peer.LlamaServer(binary, model, n_parallel=n, threads=args.threads, n_ctx=slot_ctx, log=log,
+                          flash_attention=path.flash_attention) as server:
         yield Served(server.base_url, server.pid, log)
 
 
 def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] | None,
               prompts: Sequence[AgentPrompt], n: int, args: argparse.Namespace,
-              rng: random.Random) -> dict[str, dict[str, Any]]:
-    """N agents on every path: each path's server started and warmed up, then ``args.rounds`` rounds; in each, the
-    paths in a fresh random order, each running one burst of N agents (new agent names every round)."""
+              rng: random.Random) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """N agents on every path: each path's server started and warmed up, then rounds (:func:`run_clean_rounds`: a
+    round during which other processes used more than :data:`FOREIGN_CPU_LIMIT` of the CPU is dropped and re-run);
+    in each, the paths in a fresh random order, each running one burst of N agents (new agent names every round).
+    Each path's figures from the kept rounds, and the rounds' record."""
     with contextlib.ExitStack() as stack:
         servers: dict[str, Served] = {}
         for path in paths:
@@ -354,58 +403,37 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
                 servers[path.name] = stack.enter_context(appliance_server(model, path, args))
             else:
                 assert binaries is not None
-                servers[path.name] = stack.enter_context(llama_server(binaries["llama-server"], model, n, args))
+                servers[path.name] = stack.enter_context(llama_server(binaries["llama-server"], model, n, path,
+                                                                      args))
         for path in paths:
             try:
                 warm_up(servers[path.name].base_url, path.kind)
             except RuntimeError as exc:
                 raise RuntimeError(f"{path.label}: {exc}\nserver log:\n{servers[path.name].tail()}") from exc
-        bursts: dict[str, list[list[Stream]]] = {path.name: [] for path in paths}
-        for round_index in range(args.rounds):
+        bursts: dict[str, dict[int, list[Stream]]] = {path.name: {} for path in paths}
+
+        def one_round(attempt: int) -> None:
             order = list(paths)
             rng.shuffle(order)
             for path in order:
                 time.sleep(SETTLE_S)
-                tag = f"{path.name}-{n}-r{round_index}"
-                bursts[path.name].append(run_agents(servers[path.name].base_url, path.kind, prompts[:n],
-                                                    args.tokens, tag))
+                tag = f"{path.name}-{n}-r{attempt}"
+                bursts[path.name][attempt] = run_agents(servers[path.name].base_url, path.kind, prompts[:n],
+                                                        args.tokens, tag)
+
+        def server_pids() -> list[int]:
+            return [served.pid for served in servers.values()]
+
+        rounds = run_clean_rounds(args.rounds, args.max_reruns, one_round, server_pids)
         out = {}
         for path in paths:
             served = servers[path.name]
-            entry = summarize_bursts(bursts[path.name], prompts[:n], args.tokens, peer.peak_rss_bytes(served.pid))
+            kept = [bursts[path.name][attempt] for attempt in rounds["kept_attempts"]]
+            entry = summarize_bursts(kept, prompts[:n], args.tokens, peer.peak_rss_bytes(served.pid))
             if entry["errors"]:
                 entry["server_log_tail"] = served.tail()
             out[path.name] = entry
-    return out
-
-
-class BoxLoad:
-    """CPU time other processes used while the benchmark ran: every busy CPU second of the box (/proc/stat) less
-    this process's and its reaped children's (the servers, llama-batched-bench). A shared box is noisy; this says
-    how noisy."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.box_start = self._box_busy_s()
-        self.own_start = self._own_s()
-
-    @staticmethod
-    def _box_busy_s() -> float:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle, iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own_s() -> float:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
-    def figures(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.start
-        other = (self._box_busy_s() - self.box_start) - (self._own_s() - self.own_start)
-        cpus = os.cpu_count() or 1
-        return {"wall_s": wall, "other_processes_cpu_s": max(0.0, other),
-                "other_processes_share_of_box": max(0.0, other) / (wall * cpus)}
+    return out, rounds
 
 
 def ceiling_figures(binary: Path, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -419,52 +447,47 @@ def ceiling_figures(binary: Path, model: Path, args: argparse.Namespace) -> list
     return rows
 
 
-def peer_binaries(args: argparse.Namespace) -> tuple[dict[str, Path] | None, str]:
-    """The peer's binaries and "measured", or None and why they are skipped."""
-    if args.no_peer:
-        return None, "skipped: --no-peer was given"
-    if args.build:
-        peer.build()
-    binaries = peer.built_binaries()
-    if binaries is None:
-        return None, (f"skipped: llama.cpp is not built in {peer.default_cache()}; run `python -m benchmarks.peer "
-                      f"build` (about 6 minutes on 2 cores) or pass --build")
-    return binaries, "measured"
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim)
     prompts = agent_prompts(model, max(args.agents), args.prompt_tokens, args.tokens, args.threads)
-    binaries, peer_note = peer_binaries(args)
+    binaries, peer_note = peer.binaries_or_why(args.no_peer, args.build, args.peer_cache)
     notes: dict[str, str] = {}
     paths: list[PathSpec] = []
     slots_why = slots_setting_missing()
-    for path in appliance_paths():
+    for path in appliance_paths(args.flash_off):
         if slots_why is None:
             paths.append(path)
             notes[path.name] = "measured"
         else:
-            notes[path.name] = f"skipped: {slots_why}"
-    notes[LLAMA_SERVER.name] = peer_note
-    if binaries is not None:
-        paths.append(LLAMA_SERVER)
+            notes[path.name] = f"absent: {slots_why}"
+    for path in llama_server_paths(args.flash_off):
+        notes[path.name] = peer_note
+        if binaries is not None:
+            paths.append(path)
     for what, note in notes.items():
         if note != "measured":
             print(f"note: {what}: {note}", flush=True)
     start = time.perf_counter()
     load = BoxLoad()
     results: dict[str, dict[str, Any]] = {path.name: {} for path in paths}
+    rounds: dict[str, dict[str, Any]] = {}
     rng = random.Random(0)
     for n in args.agents:
         print(f"measuring {n} agent(s) on {', '.join(path.name for path in paths)} ...", flush=True)
-        for name, entry in measure_n(model, paths, binaries, prompts, n, args, rng).items():
+        entries, rounds[str(n)] = measure_n(model, paths, binaries, prompts, n, args, rng)
+        for name, entry in entries.items():
             results[name][str(n)] = entry
     ceiling = None
+    flash_resolved: dict[str, str] = {}
     if binaries is not None:
+        for path in llama_server_paths(args.flash_off):
+            flash_resolved[path.name] = peer.probe_flash_attention(binaries["llama-server"], model, args.threads,
+                                                                   path.flash_attention)
         print("measuring llama-batched-bench ...", flush=True)
         ceiling = ceiling_figures(binaries["llama-batched-bench"], model, args)
     wall_s = time.perf_counter() - start
-    return report(args, model, prompts, paths, results, ceiling, notes, wall_s, load.figures())
+    return report(args, model, prompts, paths, results, rounds, ceiling, notes, flash_resolved, wall_s,
+                  load.figures())
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -474,40 +497,48 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 
 def comparisons(results: dict[str, dict[str, Any]], agents: Sequence[int]) -> dict[str, dict[str, float | None]]:
-    """Per N: the appliance batched's tokens/s against one-at-a-time and against llama-server, and its TTFT P99
-    against llama-server's."""
-    batched = results.get("appliance_batched", {})
-    single = results.get("appliance_one_at_a_time", {})
-    server = results.get("llama_server", {})
-    flash = results.get("appliance_flash", {})
+    """Per N: for each pair of :data:`PAIRS` the appliance's tokens/s and TTFT P99 over llama-server's, and the
+    appliance on defaults against itself one at a time."""
     out: dict[str, dict[str, float | None]] = {}
     for n in agents:
         key = str(n)
-        ours = batched.get(key, {})
-        out[key] = {"vs_one_at_a_time": ratio(ours.get("tokens_per_s"), single.get(key, {}).get("tokens_per_s")),
-                    "vs_llama_server": ratio(ours.get("tokens_per_s"), server.get(key, {}).get("tokens_per_s")),
-                    "ttft_p99_vs_llama_server": ratio(ours.get("ttft_p99_ms"),
-                                                      server.get(key, {}).get("ttft_p99_ms")),
-                    "flash_vs_llama_server": ratio(flash.get(key, {}).get("tokens_per_s"),
-                                                   server.get(key, {}).get("tokens_per_s"))}
+        cells: dict[str, float | None] = {}
+        for pair, (ours, theirs) in PAIRS.items():
+            mine = results.get(ours, {}).get(key, {})
+            peer_entry = results.get(theirs, {}).get(key, {})
+            cells[f"{pair}_tok_s"] = ratio(mine.get("tokens_per_s"), peer_entry.get("tokens_per_s"))
+            cells[f"{pair}_ttft_p99"] = ratio(mine.get("ttft_p99_ms"), peer_entry.get("ttft_p99_ms"))
+        cells["vs_one_at_a_time"] = ratio(results.get("appliance_defaults", {}).get(key, {}).get("tokens_per_s"),
+                                          results.get("appliance_one_at_a_time", {}).get(key, {}).get("tokens_per_s"))
+        out[key] = cells
     return out
 
 
+def target_rows(compared: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
+    """Every target with its value (a ratio) and whether it is met (None: a side is absent, or N not run): on
+    defaults, tokens/s >= llama-server's and TTFT P99 <= llama-server's at every N; the appliance on defaults >=
+    1.6x itself one at a time with 4 agents, >= 2.0x with 8."""
+    def row(key: str, target: str, value: float | None, limit: float, above: bool) -> dict[str, Any]:
+        met = None if value is None else (value >= limit if above else value <= limit)
+        return {"key": key, "target": target, "value": value, "limit": limit, "met": met}
+
+    rows = []
+    for n, cells in compared.items():
+        rows.append(row(f"defaults_tok_s_n{n}", f"defaults, N={n}: tok/s >= {TARGET_VS_LLAMA_SERVER:.1f}x "
+                                                f"llama-server's", cells["defaults_tok_s"], TARGET_VS_LLAMA_SERVER,
+                        True))
+        rows.append(row(f"defaults_ttft_p99_n{n}", f"defaults, N={n}: TTFT P99 <= llama-server's",
+                        cells["defaults_ttft_p99"], 1.0, False))
+    for n, limit in (("4", TARGET_RATIO_4), ("8", TARGET_RATIO_8)):
+        value = compared.get(n, {}).get("vs_one_at_a_time")
+        rows.append(row(f"vs_one_at_a_time_n{n}", f"defaults, N={n}: tok/s >= {limit:.1f}x one at a time", value,
+                        limit, True))
+    return rows
+
+
 def targets_met(compared: dict[str, dict[str, float | None]]) -> dict[str, bool | None]:
-    """The issue's targets; None where a side is missing (skipped, or N not run)."""
-    def at_least(value: float | None, limit: float) -> bool | None:
-        return None if value is None else value >= limit
-
-    def every(values: list[float | None], limit: float, above: bool) -> bool | None:
-        if not values or any(v is None for v in values):
-            return None
-        return all((v >= limit) if above else (v <= limit) for v in values if v is not None)
-
-    return {"batched_4_vs_one_at_a_time": at_least(compared.get("4", {}).get("vs_one_at_a_time"), TARGET_RATIO_4),
-            "batched_8_vs_one_at_a_time": at_least(compared.get("8", {}).get("vs_one_at_a_time"), TARGET_RATIO_8),
-            "batched_vs_llama_server_every_n": every([c["vs_llama_server"] for c in compared.values()], 1.0, True),
-            "ttft_p99_vs_llama_server_every_n": every([c["ttft_p99_vs_llama_server"] for c in compared.values()],
-                                                      1.0, False)}
+    """The targets of :func:`target_rows` by key."""
+    return {row["key"]: row["met"] for row in target_rows(compared)}
 
 
 def texts_match_solo(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
@@ -515,68 +546,84 @@ def texts_match_solo(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
     return {name: all(all(entry["texts_match_solo"]) for entry in per_n.values()) for name, per_n in results.items()}
 
 
+def noisy_rounds(rounds: dict[str, dict[str, Any]]) -> list[str]:
+    """``N=8 1/3`` for each N with fewer clean rounds than wanted."""
+    return [f"N={n} {r['clean']}/{r['wanted']}" for n, r in rounds.items() if r["noisy"]]
+
+
 def headline(args: argparse.Namespace, results: dict[str, dict[str, Any]],
-             compared: dict[str, dict[str, float | None]], notes: dict[str, str], load: dict[str, float]) -> str:
+             compared: dict[str, dict[str, float | None]], notes: dict[str, str],
+             rounds: dict[str, dict[str, Any]], targets: list[dict[str, Any]]) -> str:
     def fmt(value: float | None, suffix: str = "x") -> str:
         return "n/a" if value is None else f"{value:.2f}{suffix}"
 
     parts = []
-    batched = results.get("appliance_batched")
-    shown = [n for n in (4, 8) if n in args.agents] or [max(args.agents)]
-    if batched is None:
-        parts.append(f"appliance {notes['appliance_batched']}")
+    if "llama_server_defaults" in results:
+        for pair, label in (("defaults", "on defaults"), ("flash_on", "flash attention on both"),
+                            ("flash_off", "flash attention off both")):
+            ours, theirs = PAIRS[pair]
+            if ours not in results or theirs not in results:
+                continue
+            cells = ", ".join(f"N={n} {fmt(c[f'{pair}_tok_s'])}" for n, c in compared.items())
+            p99 = ", ".join(fmt(c[f"{pair}_ttft_p99"]) for c in compared.values())
+            parts.append(f"{label} {cells} (TTFT P99 {p99})")
     else:
-        for n in shown:
-            entry = batched[str(n)]
-            c = compared[str(n)]
-            parts.append(f"{n} agents {fmt(entry['tokens_per_s'], ' tok/s')} = {fmt(c['vs_one_at_a_time'])} "
-                         f"one-at-a-time, {fmt(c['vs_llama_server'])} llama-server, TTFT P99 "
-                         f"{fmt(entry['ttft_p99_ms'], ' ms')} ({fmt(c['ttft_p99_vs_llama_server'])} llama-server's)")
-    flash = results.get("appliance_flash")
-    if flash is not None and "llama_server" in results:
-        n = shown[-1]
-        parts.append(f"with engine.flash_attention {n} agents {fmt(flash[str(n)]['tokens_per_s'], ' tok/s')} = "
-                     f"{fmt(compared[str(n)]['flash_vs_llama_server'])} llama-server")
-    if "llama_server" not in results:
-        parts.append("llama-server skipped")
-    if load["other_processes_share_of_box"] > NOISY_SHARE:
-        parts.append(f"NOISY: other processes used {load['other_processes_share_of_box']:.0%} of the CPU")
+        parts.append(f"llama-server {notes['llama_server_defaults'].split(';')[0]}")
+        if "appliance_defaults" in results:
+            parts.append("appliance defaults " + ", ".join(
+                f"N={n} {fmt(e['tokens_per_s'], ' tok/s')}" for n, e in results["appliance_defaults"].items()))
+    if "appliance_defaults" in results:
+        n = str(max(args.agents))
+        parts.append(f"defaults vs one at a time N={n} {fmt(compared[n]['vs_one_at_a_time'])}")
+    known = [row for row in targets if row["met"] is not None]
+    parts.append(f"targets met {sum(1 for row in known if row['met'])}/{len(known)}")
+    noisy = noisy_rounds(rounds)
+    if noisy:
+        parts.append(f"NOISY: too few clean rounds ({', '.join(noisy)} under {FOREIGN_CPU_LIMIT:.0%} other CPU)")
     return (f"HEADLINE: concurrency ({args.layers}x{args.dim} f16, {args.threads} threads, {args.prompt_tokens}+"
-            f"{args.tokens} tokens per agent): appliance batched " + "; ".join(parts))
+            f"{args.tokens} tokens per agent): appliance / llama-server tok/s " + "; ".join(parts))
 
 
 def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt], paths: list[PathSpec],
-           results: dict[str, dict[str, Any]], ceiling: list[dict[str, float | int]] | None, notes: dict[str, str],
+           results: dict[str, dict[str, Any]], rounds: dict[str, dict[str, Any]],
+           ceiling: list[dict[str, float | int]] | None, notes: dict[str, str], flash_resolved: dict[str, str],
            wall_s: float, load: dict[str, float]) -> dict[str, Any]:
     compared = comparisons(results, args.agents)
-    complete = all(entry["tokens_complete"] for name, per_n in results.items() if name != "appliance_flash"
-                   for entry in per_n.values())  # flash attention may change a text (and its length): informational
+    targets = target_rows(compared)
+    complete = all(entry["tokens_complete"] for path in paths if path.strict
+                   for entry in results[path.name].values())
     return {
         "benchmark": NAME, "quick": args.quick,
         "model": {"file": model.name, "layers": args.layers, "dim": args.dim, "dtype": "f16"},
-        "threads": args.threads, "agents": list(args.agents), "rounds": args.rounds,
-        "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "appliance_n_ctx": args.n_ctx,
-        "llama_server_ctx_per_slot": args.prompt_tokens + args.tokens + 64, "wall_s": wall_s, "box_load": load,
-        "paths": {path.name: {"label": path.label, "kind": path.kind, "by_agents": results[path.name]}
+        "threads": args.threads, "agents": list(args.agents), "rounds": args.rounds, "max_reruns": args.max_reruns,
+        "foreign_cpu_limit": FOREIGN_CPU_LIMIT, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+        "appliance_n_ctx": args.n_ctx, "llama_server_ctx_per_slot": args.prompt_tokens + args.tokens + 64,
+        "wall_s": wall_s, "box_load": load, "rounds_by_agents": rounds,
+        "paths": {path.name: {"label": path.label, "kind": path.kind, "flash_attention": path.flash_attention,
+                              "strict": path.strict, "by_agents": results[path.name]}
                   for path in paths},
-        "llama_batched_bench": ceiling, "notes": notes, "comparisons": compared,
-        "targets": {"batched_4_vs_one_at_a_time_at_least": TARGET_RATIO_4,
-                    "batched_8_vs_one_at_a_time_at_least": TARGET_RATIO_8,
-                    "batched_vs_llama_server_at_least": 1.0, "ttft_p99_vs_llama_server_at_most": 1.0},
-        "meets_targets": targets_met(compared), "tokens_complete": complete,
+        "llama_batched_bench": ceiling, "llama_server_flash_attention": flash_resolved, "notes": notes,
+        "comparisons": compared, "targets": targets,
+        "meets_targets": {row["key"]: row["met"] for row in targets}, "tokens_complete": complete,
         "texts_match_solo": texts_match_solo(results),
         "solo_texts": [p.solo for p in prompts], "prompts": [p.text for p in prompts],
         "machine": machine(),
-        "units": "tokens_per_s = all streamed tokens / (last token - first request sent), all agents at once; "
-                 "ttft = first streamed text - request sent, per agent (client side); peak_rss_bytes = VmHWM of the "
-                 "server process; llama_batched_bench gen_tok_s = generation tokens/s of all sequences together",
-        "headline": headline(args, results, compared, notes, load),
+        "units": "tokens_per_s = all streamed tokens / (last token - first request sent), all agents at once, the "
+                 "median of the kept rounds; ttft = first streamed text - request sent, per agent (client side); "
+                 "peak_rss_bytes = VmHWM of the server process; comparisons = appliance / llama-server; "
+                 "flash_attention null = the server's own default; llama_batched_bench gen_tok_s = generation "
+                 "tokens/s of all sequences together",
+        "headline": headline(args, results, compared, notes, rounds, targets),
     }
+
+
+def met_word(met: bool | None) -> str:
+    return "absent" if met is None else ("met" if met else "not met")
 
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"model {r['model']['file']}, {r['threads']} threads, {r['prompt_tokens']}-token prompts, {r['tokens']} "
-          f"streamed tokens per agent, all agents at once; tok/s: median of {r['rounds']} rounds (range)")
+          f"streamed tokens per agent, all agents at once; tok/s: median of the kept rounds (range)")
     print(f"{'path':<24} {'N':>2} {'tok/s':>7} {'range':>13} {'TTFT P50':>9} {'TTFT P99':>9} {'peak RSS':>9} "
           f"{'text':>5} tokens")
     for name, path in r["paths"].items():
@@ -591,20 +638,29 @@ def print_table(r: dict[str, Any]) -> None:
             counts = "ok" if e["tokens_complete"] else f"SHORT {e['tokens']} {e['errors']}"
             text = "solo" if all(e["texts_match_solo"]) else "DIFF"
             print(f"{name:<24} {n:>2} {tps:>7} {spread:>13} {p50:>9} {p99:>9} {rss:>9} {text:>5} {counts}")
+    for name, logged in r["llama_server_flash_attention"].items():
+        print(f"{name}: flash attention as llama.cpp logs it (a probe at --log-verbosity 4): {logged}")
     if r["llama_batched_bench"] is not None:
         row = ", ".join(f"{b['n_parallel']}: {b['gen_tok_s']:.1f}" for b in r["llama_batched_bench"])
         print(f"llama-batched-bench generation tok/s by sequences (the box's ceiling): {row}")
     for n, c in r["comparisons"].items():
         cells = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in c.items())
-        print(f"N={n}: appliance batched {cells}")
+        print(f"N={n}: appliance / llama-server {cells}")
+    for n, rounds in r["rounds_by_agents"].items():
+        shares = ", ".join("-" if rec["foreign_share"] is None else f"{rec['foreign_share']:.0%}"
+                           + ("" if rec["kept"] else " dropped") for rec in rounds["records"])
+        print(f"N={n}: {rounds['clean']}/{rounds['wanted']} clean rounds in {rounds['attempted']} attempts "
+              f"(other processes' CPU per round: {shares})" + (" NOISY" if rounds["noisy"] else ""))
     for what, note in r["notes"].items():
         if note != "measured":
             print(f"{what}: {note}")
     load = r["box_load"]
-    print(f"other processes used {load['other_processes_share_of_box']:.0%} of the box's CPU during the run"
-          + (" (NOISY: the figures above are not comparable)" if load["other_processes_share_of_box"] > NOISY_SHARE
-             else ""))
-    print(f"texts equal to the solo in-process greedy text: {r['texts_match_solo']}; targets met: {r['meets_targets']}")
+    print(f"other processes used {load['other_processes_share_of_box']:.0%} of the box's CPU during the whole run")
+    print(f"{'target':<52} {'value':>7}  met?")
+    for row in r["targets"]:
+        value = "-" if row["value"] is None else f"{row['value']:.2f}x"
+        print(f"{row['target']:<52} {value:>7}  {met_word(row['met'])}")
+    print(f"texts equal to the solo in-process greedy text: {r['texts_match_solo']}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -616,16 +672,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="model layers (default 12; quick 4)")
     p.add_argument("--dim", type=int, default=None, help="model width (default 768; quick 256)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=None, help="bursts per path and N, interleaved (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="clean bursts per path and N, interleaved (default 3; quick 1)")
+    p.add_argument("--max-reruns", type=int, default=None,
+                   help=f"rounds re-run at most per N when other processes used more than {FOREIGN_CPU_LIMIT:.0%}% "
+                        f"of the CPU (default 3; quick 1)")
+    p.add_argument("--no-flash-off", dest="flash_off", action="store_false",
+                   help="skip the flash-attention-off pair (appliance and llama-server)")
     p.add_argument("--n-ctx", type=int, default=2048, help="the appliance model's n_ctx")
     p.add_argument("--no-peer", action="store_true", help="skip llama-server and llama-batched-bench")
     p.add_argument("--build", action="store_true", help="build the peer first when it is not built")
+    p.add_argument("--peer-cache", type=Path, default=None,
+                   help="where the peer is built (default ~/.cache/appliance/llama.cpp-<pin>)")
     add_output_args(p, NAME)
     args = p.parse_args(argv)
-    fill_defaults(args, full={"agents": [1, 2, 4, 8], "tokens": 64, "layers": 12, "dim": 768, "rounds": 3},
-                  quick={"agents": [1, 2], "tokens": 8, "layers": 4, "dim": 256, "rounds": 1})
+    fill_defaults(args, full={"agents": [1, 2, 4, 8], "tokens": 64, "layers": 12, "dim": 768, "rounds": 3,
+                              "max_reruns": 3},
+                  quick={"agents": [1, 2], "tokens": 8, "layers": 4, "dim": 256, "rounds": 1, "max_reruns": 1})
     if min(args.agents) < 1 or min(args.tokens, args.threads, args.rounds) < 1 or args.prompt_tokens < 2:
         p.error("--agents, --tokens, --threads and --rounds must be >= 1, --prompt-tokens >= 2")
+    if args.max_reruns < 0:
+        p.error("--max-reruns must be >= 0")
     if args.no_peer and args.build:
         p.error("--build and --no-peer contradict each other")
     args.agents = sorted(set(args.agents))

@@ -46,6 +46,8 @@ import httpx
 from appliance.benchmark.session import Strategy, choices_of, chunk_text, completion_chunks, health
 from benchmarks.agent_session import appliance_server
 from benchmarks.common import (
+    NOISY_SHARE,
+    BoxLoad,
     add_output_args,
     default_threads,
     fill_defaults,
@@ -53,7 +55,7 @@ from benchmarks.common import (
     machine,
     tiny_model,
 )
-from benchmarks.concurrency import NOISY_SHARE, BoxLoad, agent_prompts
+from benchmarks.concurrency import agent_prompts
 from benchmarks.protocol.workload import MODEL_NAME
 
 NAME = "contention"

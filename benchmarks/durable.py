@@ -82,8 +82,15 @@ from appliance.daemon.core import Daemon
 from appliance.daemon.devices import FakeDevice
 from appliance.daemon.store import FILE_NAME, AgentRecord, AgentStore, PutAgent, StoreWriter, Write, pack_tokens
 from appliance.engine.runtime import Engine
-from benchmarks.common import add_output_args, fill_defaults, finish, machine, tiny_model
-from benchmarks.concurrency import NOISY_SHARE, BoxLoad
+from benchmarks.common import (
+    NOISY_SHARE,
+    BoxLoad,
+    add_output_args,
+    fill_defaults,
+    finish,
+    machine,
+    tiny_model,
+)
 
 NAME = "durable"
 MODEL = "m"

@@ -65,6 +65,20 @@ def built_binaries(cache: Path | None = None) -> dict[str, Path] | None:
     return None
 
 
+def binaries_or_why(no_peer: bool, build_first: bool, cache: Path | None = None) -> tuple[dict[str, Path] | None, str]:
+    """The peer's binaries and "measured", or None and why the peer is absent (``--no-peer``, or not built in
+    ``cache``); ``build_first`` builds it first when it is not built."""
+    if no_peer:
+        return None, "absent: --no-peer was given"
+    if build_first:
+        build(cache)
+    binaries = built_binaries(cache)
+    if binaries is None:
+        return None, (f"absent: llama.cpp is not built in {cache or default_cache()}; run `python -m benchmarks.peer "
+                      f"build` (about 6 minutes on 2 cores) or pass --build")
+    return binaries, "measured"
+
+
 def _progress(message: str) -> None:
     print(f"[peer build] {message}", flush=True)
 
@@ -184,17 +198,53 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM line")
 
 
+def flash_attention_args(flash_attention: bool | None) -> list[str]:
+    """llama.cpp's ``--flash-attn`` argument: ``on`` or ``off``, nothing for None (its own default, ``auto``: on
+    where the backend supports it, the CPU included)."""
+    if flash_attention is None:
+        return []
+    return ["--flash-attn", "on" if flash_attention else "off"]
+
+
+def server_environment() -> dict[str, str]:
+    """This process's environment less llama.cpp's ``LLAMA_ARG_*`` variables, which would set options behind the
+    benchmark's back (``LLAMA_ARG_FLASH_ATTN`` among them)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("LLAMA_ARG_")}
+
+
+_FLASH_SETTING = re.compile(r"flash_attn\s*=\s*(\w+)")
+
+
+def logged_flash_attention(log_text: str) -> str | None:
+    """What llama.cpp's log says of flash attention: the setting (its last ``flash_attn = …`` line: ``enabled``,
+    ``disabled`` or ``auto``) and, for ``auto``, what it resolved to (``auto -> enabled``); None when not logged."""
+    found = _FLASH_SETTING.findall(log_text)
+    if not found:
+        return None
+    setting = found[-1]
+    if setting == "auto":
+        if "Flash Attention not supported" in log_text:
+            return "auto -> disabled"
+        if "Flash Attention enabled" in log_text:
+            return "auto -> enabled"
+    return str(setting)
+
+
 class LlamaServer:
-    """``llama-server`` with ``n_parallel`` slots of ``n_ctx`` tokens each, on a free local port; a context manager
-    that waits for ``/health`` and stops it with SIGTERM."""
+    """``llama-server`` with ``n_parallel`` slots of ``n_ctx`` tokens each, on a free local port, flash attention
+    on, off or (None) left to its default; a context manager that waits for ``/health`` and stops it with
+    SIGTERM."""
 
     def __init__(self, binary: Path, model: Path, n_parallel: int, threads: int, n_ctx: int,
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, flash_attention: bool | None = None,
+                 log_verbosity: int | None = None) -> None:
         self.binary = binary
         self.model = model
         self.n_parallel = n_parallel
         self.threads = threads
         self.n_ctx = n_ctx
+        self.flash_attention = flash_attention
+        self.log_verbosity = log_verbosity
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = log or Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
@@ -203,11 +253,13 @@ class LlamaServer:
     def argv(self) -> list[str]:
         return [str(self.binary), "-m", str(self.model), "-np", str(self.n_parallel),
                 "-c", str(self.n_ctx * self.n_parallel), "-t", str(self.threads), "-tb", str(self.threads),
-                "-ngl", "0", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+                "-ngl", "0", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
+                *flash_attention_args(self.flash_attention),
+                *([] if self.log_verbosity is None else ["--log-verbosity", str(self.log_verbosity)])]
 
     def __enter__(self) -> LlamaServer:
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, env=server_environment())
         try:
             self._wait_healthy()
         except BaseException:
@@ -248,9 +300,28 @@ class LlamaServer:
     def peak_rss_bytes(self) -> int:
         return peak_rss_bytes(self.pid)
 
+    def flash_attention_logged(self) -> str | None:
+        """What its log says of flash attention (see :func:`logged_flash_attention`); llama.cpp logs it only from
+        ``log_verbosity`` 4 up."""
+        return logged_flash_attention(self.log.read_text(errors="replace") if self.log.exists() else "")
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc)
+
+
+def probe_flash_attention(binary: Path, model: Path, threads: int, flash_attention: bool | None) -> str:
+    """What flash attention llama-server runs ``model`` with given ``flash_attention`` (None: its default): a
+    llama-server started with ``--log-verbosity 4`` just to read it from its log (the measured servers keep the
+    default verbosity, which does not log it, so their timings are not the log's)."""
+    log = Path(tempfile.gettempdir()) / f"llama-server-flash-probe-{os.getpid()}.log"
+    with LlamaServer(binary, model, n_parallel=1, threads=threads, n_ctx=256, log=log,
+                     flash_attention=flash_attention, log_verbosity=4) as server:
+        logged = server.flash_attention_logged()
+    log.unlink(missing_ok=True)
+    if logged is None:
+        raise RuntimeError(f"llama-server logged no flash_attn line at --log-verbosity 4 ({binary})")
+    return logged
 
 
 def main(argv: list[str] | None = None) -> int:

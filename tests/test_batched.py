@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -42,6 +43,12 @@ LONG_PROMPT = " ".join(["the story of a model and its memory"] * 8)  # 73 tokens
 def weights(tiny_model: Path) -> Iterator[ModelWeights]:
     with ModelWeights(tiny_model) as loaded:
         yield loaded
+
+
+def flash_off(weights: ModelWeights, **params: Any) -> BatchedContext:
+    """A context with flash attention off (not the engine's default, ``auto``): the tolerances above and equal
+    greedy tokens are this module's point, and hold without it (with it: tests/test_flash_attention.py)."""
+    return BatchedContext(weights, flash_attn="off", **params)
 
 
 @dataclass
@@ -79,7 +86,7 @@ def solo(weights: ModelWeights, tokens: Sequence[int], max_tokens: int, n_batch:
     """The same prompt run alone in a fresh one-sequence context."""
     key = (tuple(tokens), max_tokens, n_batch)
     if key not in _solo_cache:
-        with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=n_batch, n_threads=THREADS) as context:
+        with flash_off(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=n_batch, n_threads=THREADS) as context:
             context.add(0, tokens, GREEDY, max_tokens)
             runs: dict[int, Run] = {}
             finish(context, runs)
@@ -103,7 +110,7 @@ def tokenize_all(weights: ModelWeights, prompts: Sequence[str]) -> list[list[int
 # -- batched decoding -------------------------------------------------------------------------------------
 def test_four_sequences_decoded_together_each_match_their_solo_run(weights: ModelWeights) -> None:
     prompts = tokenize_all(weights, PROMPTS[:4])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
         for seq_id, tokens in enumerate(prompts):
             context.add(seq_id, tokens, GREEDY, 20)
         runs: dict[int, Run] = {}
@@ -122,7 +129,7 @@ def test_four_sequences_decoded_together_each_match_their_solo_run(weights: Mode
 
 def test_cancelling_one_sequence_leaves_the_others_unchanged(weights: ModelWeights) -> None:
     prompts = tokenize_all(weights, PROMPTS[:4])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
         for seq_id, tokens in enumerate(prompts):
             context.add(seq_id, tokens, GREEDY, 16)
         runs: dict[int, Run] = {}
@@ -146,7 +153,7 @@ def test_cancelling_one_sequence_leaves_the_others_unchanged(weights: ModelWeigh
 
 def test_a_sequence_joining_mid_generation_gets_its_solo_output(weights: ModelWeights) -> None:
     prompts = tokenize_all(weights, PROMPTS[:4])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
         for seq_id in range(3):
             context.add(seq_id, prompts[seq_id], GREEDY, 16)
         runs: dict[int, Run] = {}
@@ -166,7 +173,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_streams(wei
     short = weights.tokenize(PROMPTS[0], bos=True)
     long = weights.tokenize(LONG_PROMPT, bos=True)
     assert len(long) > 4 * n_batch
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=n_batch, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=n_batch, n_threads=THREADS) as context:
         context.add(0, short, GREEDY, 24)
         runs: dict[int, Run] = {}
         for _ in range(2):
@@ -188,7 +195,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_streams(wei
 def test_a_prefill_limit_makes_smaller_chunks_beside_a_stream(weights: ModelWeights) -> None:
     short = weights.tokenize(PROMPTS[0], bos=True)
     long = weights.tokenize(LONG_PROMPT, bos=True)
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS,
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS,
                         prefill_limit=8) as context:
         context.add(0, short, GREEDY, 24)
         runs: dict[int, Run] = {}
@@ -209,7 +216,7 @@ def test_a_prefill_limit_makes_smaller_chunks_beside_a_stream(weights: ModelWeig
 def test_each_sequence_samples_with_its_own_seed(weights: ModelWeights) -> None:
     prompt = weights.tokenize(PROMPTS[0], bos=True)
     seeds = (1, 2, 1)
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS) as context:
         for seq_id, seed in enumerate(seeds):
             context.add(seq_id, prompt, Sampling(temperature=1.0, seed=seed), 16)
         context.add(3, prompt, GREEDY, 16)
@@ -235,7 +242,7 @@ def test_greedy_and_seeded_sequences_equal_todays_engine(weights: ModelWeights, 
                               min_p=0.0, repeat_penalty=1.0, reset=True)
         expected.append(list(itertools.islice(tokens, 16)))
     llm.close()
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
         for seq_id, sampling in enumerate(samplings):
             context.add(seq_id, prompt, sampling, 16)
         finish(context, {})
@@ -245,7 +252,7 @@ def test_greedy_and_seeded_sequences_equal_todays_engine(weights: ModelWeights, 
 
 def test_a_saved_sequence_restored_under_a_new_id_continues_exactly(weights: ModelWeights) -> None:
     prompts = tokenize_all(weights, PROMPTS[:2])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
         context.add(0, prompts[0], GREEDY, 20)
         context.add(1, prompts[1], GREEDY, 20)
         runs: dict[int, Run] = {}
@@ -268,7 +275,7 @@ def test_a_saved_sequence_restored_under_a_new_id_continues_exactly(weights: Mod
 
 def test_each_sequence_stops_at_its_own_budget(weights: ModelWeights) -> None:
     prompts = tokenize_all(weights, PROMPTS[:2])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS) as context:
         context.add(0, prompts[0], GREEDY, 3)
         context.add(1, prompts[1], GREEDY, 6)
         runs: dict[int, Run] = {}
@@ -290,7 +297,7 @@ def test_a_failed_decode_leaves_every_sequence_as_it_was(weights: ModelWeights) 
     """A forged parked state (its cells run past the position it claims) makes llama.cpp refuse the batch: the
     step raises, nothing advances, and once the bad sequence is cancelled the other goes on as if alone."""
     prompts = tokenize_all(weights, PROMPTS[:2])
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=3, n_batch=N_BATCH, n_threads=THREADS) as context:
         context.add(0, prompts[0], GREEDY, 12)
         context.add(1, prompts[1], GREEDY, 12)
         runs: dict[int, Run] = {}
@@ -310,7 +317,7 @@ def test_a_failed_decode_leaves_every_sequence_as_it_was(weights: ModelWeights) 
 
 def test_a_damaged_saved_state_is_refused_and_the_id_stays_free(weights: ModelWeights) -> None:
     prompt = weights.tokenize(PROMPTS[0], bos=True)
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=2, n_batch=N_BATCH, n_threads=THREADS) as context:
         context.add(0, prompt, GREEDY, 8)
         context.step()
         saved = context.save(0)
@@ -326,7 +333,7 @@ def test_a_damaged_saved_state_is_refused_and_the_id_stays_free(weights: ModelWe
 # -- refusals -------------------------------------------------------------------------------------------
 def test_bad_sequences_are_refused_with_the_limit_they_broke(weights: ModelWeights) -> None:
     prompt = weights.tokenize(PROMPTS[0], bos=True)
-    with BatchedContext(weights, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=256, n_seq_max=2, n_batch=32, n_threads=THREADS) as context:
         with pytest.raises(ApplianceError) as info:
             context.add(2, prompt)
         assert info.value.code == "BAD_REQUEST" and info.value.details["n_seq_max"] == 2
@@ -358,7 +365,7 @@ def test_a_context_refuses_too_small_a_batch_and_other_threads(weights: ModelWei
     with pytest.raises(ApplianceError) as info:
         BatchedContext(weights, n_ctx=256, n_seq_max=8, n_batch=4)
     assert info.value.details == {"n_batch": 4, "n_seq_max": 8}
-    with BatchedContext(weights, n_ctx=256, n_seq_max=1, n_batch=8, n_threads=THREADS) as context:
+    with flash_off(weights, n_ctx=256, n_seq_max=1, n_batch=8, n_threads=THREADS) as context:
         caught: list[ApplianceError] = []
 
         def step_elsewhere() -> None:

@@ -318,7 +318,7 @@ def test_defaults_applied_when_omitted():
     config = parse(MODEL)
     assert config.admission_percent == 90 and config.device == "auto" and config.max_connections == 128
     assert config.max_frame_bytes == 16 * 1024 * 1024 and config.heartbeat_interval_s == 2.0
-    assert config.engine == EngineConfig(64, 4, 1.2, True, (60, 30), 8, (128, 512), 0, 4, False, None, True)
+    assert config.engine == EngineConfig(64, 4, 1.2, True, (60, 30), 8, (128, 512), 0, 4, "auto", None, True)
     assert config.http.host == "127.0.0.1" and config.http.port == 8080 and config.http.api_token is None
     assert config.socket.mode == 0o660 and config.socket.group is None
     m = config.model("m")

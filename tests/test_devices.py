@@ -238,6 +238,7 @@ class _StubNvml:
         self.procs: list[SimpleNamespace] | Exception = []
         self.mem: SimpleNamespace | Exception = SimpleNamespace(total=100 * GIB, used=40 * GIB, free=60 * GIB)
         monkeypatch.setattr(devices, "_nvml_ready", False)
+        monkeypatch.setattr(devices, "nvml_library_loads", self.library_loads)
         for name, fn in {
             "nvmlInit": lambda: None,
             "nvmlDeviceGetCount": lambda: 1,
@@ -247,6 +248,10 @@ class _StubNvml:
             "nvmlDeviceGetComputeRunningProcesses": lambda h: self._answer(self.procs),
         }.items():
             monkeypatch.setattr(pynvml, name, fn)
+
+    @staticmethod
+    def library_loads() -> bool:
+        return True
 
     @staticmethod
     def _answer(value: object) -> object:

@@ -255,6 +255,31 @@ def test_a_changed_model_file_keeps_the_tokens_with_the_same_vocabulary_and_rese
     run(second())
 
 
+@pytest.mark.parametrize(("before", "after", "restored_from"),
+                         [(False, "auto", "tokens"), (True, False, "tokens"), ("auto", True, "disk"),
+                          (False, False, "disk")])
+def test_a_kv_file_comes_back_only_into_the_v_layout_it_was_saved_with(
+        tmp_path: Path, before: object, after: object, restored_from: str) -> None:
+    """engine.flash_attention decides the V cache's layout (transposed only when it is false; auto and true store
+    it alike): a KV file saved under the other layout is discarded and the tokens re-evaluated, never handed to
+    llama.cpp (which would refuse it)."""
+    wall = [1e9]
+
+    async def start(setting: object, prompt: str) -> Any:
+        box = Box(tmp_path, make_config(tmp_path, engine={"live_slots": 1, "flash_attention": setting}), wall=wall)
+        if prompt:
+            await box.daemon.register("a", "m")
+        result = await box.daemon.decode("a", 8, prompt)
+        await box.stop()
+        return result
+
+    run(start(before, "Agenta"))
+    assert (tmp_path / "state" / "kv" / "a.kv").exists()
+    again = run(start(after, ""))
+    assert again.restored_from == restored_from
+    assert again.generation.text == fresh_text("Agenta", 16)[8:]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "other-tokens"])
 def test_a_bad_kv_file_falls_back_to_the_tokens(tmp_path: Path, damage: str,
                                                caplog: pytest.LogCaptureFixture) -> None:

@@ -26,10 +26,14 @@ from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.interface import GREEDY, Conversation, Token
 from appliance.engine.runtime import Engine, Runtime
 
+FLASH_OFF = {"flash_attention": False}
+"""Every text here is compared byte for byte with a solo run's: flash attention off, where that holds (the
+engine's default, ``auto``, rounds a batched sequence differently: tests/test_flash_attention.py)."""
+
 
 def solo(model: Path, prompt: str, n: int, n_ctx: int = 2048, *more: tuple[str, int]) -> list[str]:
     """What one conversation alone in its own runtime generates for ``prompt`` then each of ``more``."""
-    runtime = Runtime(model, n_ctx=n_ctx, n_gpu_layers=0, n_threads=1)
+    runtime = Runtime(model, n_ctx=n_ctx, n_gpu_layers=0, n_threads=1, flash_attention="off")
     try:
         conv = Conversation()
         texts = [runtime.generate(conv, prompt, n).text]
@@ -53,7 +57,7 @@ def test_one_live_context_parks_the_other_models_agents_as_the_seed_transcript_r
     smol/false, qwen/true; smol's third answer continues its first exactly; one context key in the ledger."""
     models = {"smol-model": {"path": str(model_dir / "tiny.gguf")},
               "qwen-model": {"path": str(model_dir / "tiny_b.gguf")}}
-    with running(models, model_dirs=[model_dir], engine={"live_contexts": 1}) as app:
+    with running(models, model_dirs=[model_dir], engine={"live_contexts": 1, **FLASH_OFF}) as app:
         assert app.line("REGISTER smol smol-model").startswith("OK")
         assert app.line("REGISTER qwen qwen-model").startswith("OK")
         transcript = []
@@ -91,7 +95,8 @@ def clear_prompts(model: Path, n_tokens: int, count: int) -> list[str]:
     chosen = []
     with ModelWeights(model) as weights:
         for prompt in CANDIDATES:
-            with BatchedContext(weights, n_ctx=512, n_seq_max=1, n_batch=64, n_threads=1) as context:
+            with BatchedContext(weights, n_ctx=512, n_seq_max=1, n_batch=64, n_threads=1,
+                                flash_attn="off") as context:
                 context.add(0, weights.tokenize(prompt, bos=True), GREEDY, n_tokens)
                 margin = float("inf")
                 while context.has_work():
@@ -110,7 +115,7 @@ def test_four_agents_streaming_at_once_get_their_solo_outputs_and_a_cancel_touch
     prompts = clear_prompts(model_dir / "tiny.gguf", 24, 4)
     expected = [solo(model_dir / "tiny.gguf", prompt, 24)[0] for prompt in prompts]
     with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir],
-                 engine={"live_slots": 4}) as app:
+                 engine={"live_slots": 4, **FLASH_OFF}) as app:
         daemon = app.daemon
         for index in range(5):
             app.line(f"REGISTER a{index} tiny")
@@ -156,7 +161,8 @@ def test_a_shared_system_prompt_is_evaluated_once(model_dir: Path) -> None:
     system = "You are a helpful model. " + " ".join(["the story of a model and its memory"] * 75)
     first = system + "\nQuestion: what is the water?"
     second = system + "\nQuestion: who said yes?"
-    with running({"tiny": {"path": str(model_dir / "tiny.gguf"), "n_ctx": 2048}}, model_dirs=[model_dir]) as app:
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf"), "n_ctx": 2048}}, model_dirs=[model_dir],
+                 engine=FLASH_OFF) as app:
         app.line("REGISTER a tiny")
         app.line("REGISTER b tiny")
         one = fields(app.line(f"DECODE a 8 {first}"))

@@ -231,7 +231,8 @@ def test_a_cold_request_returns_only_once_its_parked_state_fits_the_budget(
     """A request longer than the hot pool runs in a cold context; when it ends its conversation is parked beside
     the others and the budget is fitted by an engine job. The decode returns after that job, so that no reader
     (STATUS, health, the next request) sees parked state over the budget: here the job is slowed down."""
-    config = make_config(tmp_path, host_kv_budget=0, engine={"live_slots": 1, "warmup_runs": 0},
+    config = make_config(tmp_path, host_kv_budget=0,
+                         engine={"live_slots": 1, "warmup_runs": 0, "async_switch": False},  # else the pool grows
                          models=[{"name": "m", "path": str(tmp_path / "m.gguf"), "vram_bytes": "1GiB",
                                   "n_ctx": 2048}])
     daemon = Daemon(config, FakeDevice("8GiB", process_used=0), FakeEngine(), clock=ManualClock())

@@ -51,6 +51,8 @@ def test_status_shows_pools_plan_threads_profile_and_agent_kv_cells(tiny_model: 
             assert record[key] == context[key], key
         assert record["threads"] == 1 and record["plan"] in ("S", "M", "L") and record["pool_cells"] > 0
         assert record["adaptive"] is True and doc["engine"]["adaptive"] is True and doc["engine"]["warming"] is False
+        # engine.flash_attention's default, auto, resolved by llama.cpp: on, on the CPU
+        assert doc["engine"]["flash_attention"] == "auto" and record["flash_attention"] is True
         summary = snapshot["profiles"]["tiny"]
         profile = doc["profile"]
         assert profile["model"] == "tiny" and profile["sampled"] == summary["sampled"] == 3
@@ -149,8 +151,8 @@ def test_the_tuning_panel_says_warming_and_shows_the_profile() -> None:
                                "ttft_s": {"p50": 0.012, "p90": 0.25, "p99": 0.5},
                                "kv_cells_peak": {"p50": 48, "p90": 364, "p99": 664}}}
     context = {"model": "demo", "pool_cells": 768, "pool_bytes": 3 * 1024**2, "cold_cells": 2048,
-               "cold_bytes": 8 * 1024**2, "plan": "M", "threads": 3, "adaptive": True}
-    snapshot = {"engine": {"adaptive": True, "warming": True}, "contexts": [context],
+               "cold_bytes": 8 * 1024**2, "plan": "M", "threads": 3, "flash_attention": True, "adaptive": True}
+    snapshot = {"engine": {"adaptive": True, "warming": True, "flash_attention": "auto"}, "contexts": [context],
                 "profiles": {"demo": profile, "other": {**profile, "in_window": 0}}}
     tuning = {"engine": snapshot["engine"], "panels": dashboard.tuning_panels(snapshot), "poll_s": 2}
     html = render.render("_tuning.html", tuning=tuning)
@@ -158,6 +160,7 @@ def test_the_tuning_panel_says_warming_and_shows_the_profile() -> None:
     demo = html[html.index('data-tuning="demo"'):html.index('data-tuning="other"')]
     assert '<dd data-figure="cold-pool">2048 cells, 8.0 MiB</dd>' in demo
     assert '<dd data-figure="hot-pool">768 cells, 3.0 MiB</dd>' in demo
+    assert '<dd data-figure="flash-attention">on (engine.flash_attention: auto)</dd>' in demo
     assert "<td>40</td>" in demo and "<td>600</td>" in demo and "<td>12.0 ms</td>" in demo and "<td>664</td>" in demo
     other = html[html.index('data-tuning="other"'):]
     assert "<dd>none live</dd>" in other and "0 requests in the window" in other

@@ -1,6 +1,7 @@
 """``GET /metrics`` passes ``promtool check metrics`` (Prometheus' own linter, from Debian's ``prometheus`` package
 that ``scripts/setup.sh`` installs): a real appliance, after requests on every surface that fill every family with
-samples (a family without one would hide its labels from the linter), has no problem to report."""
+samples (a family without one would hide its labels from the linter), has no problem to report but the colons of
+the three vLLM-named gauges the inference gateway reads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 from harness import running
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.http.metrics import VLLM_KV_USAGE, VLLM_RUNNING, VLLM_WAITING
+
 PROMTOOL = "promtool"
+VLLM_NAMES = (VLLM_WAITING, VLLM_RUNNING, VLLM_KV_USAGE)
 ENGINE = {"adaptive": True, "threads": 1, "warmup_runs": 0, "adaptive_sample_rate": 1}
 """Every request sampled: the load-profile families have their percentiles after the first requests."""
 
@@ -43,7 +47,11 @@ def test_the_page_passes_promtool_check_metrics(tiny_model: Path, tiny_model_b: 
     assert empty == [], f"families without a sample (the linter would not see their labels): {empty}"
     checked = subprocess.run([tool, "check", "metrics"], input=page.text, capture_output=True, text=True,
                              timeout=60)
-    assert checked.returncode == 0 and checked.stdout == "" and checked.stderr == "", \
+    # The one finding allowed: the colons of vLLM's names, which the inference gateway's endpoint picker reads by
+    # default (legal in the exposition format; the linter keeps colons for recording rules).
+    allowed = {f"{name} metric names should not contain ':'" for name in VLLM_NAMES}
+    findings = {line for line in (checked.stdout + checked.stderr).splitlines() if line.strip()}
+    assert findings == allowed and checked.returncode in (0, 3), \
         f"promtool check metrics (exit {checked.returncode}):\n{checked.stdout}{checked.stderr}"
 
 

@@ -133,7 +133,7 @@ def test_plans_benchmark_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str
     small, large = min(r["ubatches"]), max(r["ubatches"])
     refused = [row for row in r["configs"] if "refused" in row]
     assert [(row["cache_type"], row["flash_attn"]) for row in refused] == [("q8_0", False)]
-    assert "flash_attn" in refused[0]["refused"]  # llama.cpp's own words: a quantized V cache needs it
+    assert "flash_attn" in refused[0]["refused"]  # a quantized V cache needs it (llama.cpp would not build it)
     for key, row in rows.items():
         if "refused" in row:
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 from hypothesis import given
@@ -72,22 +73,43 @@ def test_percentiles_are_nearest_rank_values(values: list[int]) -> None:
         assert 100 * sum(1 for item in values if item < value) < percent * len(values)
 
 
-@pytest.mark.parametrize(
-    ("rate", "kept"),
-    [
-        (1, [True] * 7),
-        (2, [False, True, False, True, False, True, False]),
-        (3, [False, False, True, False, False, True, False]),
-        (8, [False] * 7),
-    ],
-)
-def test_every_rate_th_request_is_kept(rate: int, kept: list[bool]) -> None:
-    profile = LoadProfile(window_size=64, sample_rate=rate)
-    assert [profile.observe(sample(index)) for index in range(1, 8)] == kept
-    assert profile.observed == 7
+def picks(seed: int, rate: int, count: int) -> list[bool]:
+    """What a profile with ``random.Random(seed)`` keeps of ``count`` requests at ``rate`` (a twin of its RNG)."""
+    twin = random.Random(seed)
+    return [rate == 1 or twin.randrange(rate) == 0 for _ in range(count)]
+
+
+@pytest.mark.parametrize("rate", [1, 2, 3, 8])
+def test_a_request_is_kept_by_the_injected_rng_one_in_rate(rate: int) -> None:
+    profile = LoadProfile(window_size=64, sample_rate=rate, rng=random.Random(7))
+    kept = [profile.observe(sample(index)) for index in range(1, 41)]
+    assert kept == picks(7, rate, 40)
+    assert profile.observed == 40
     assert profile.sampled == sum(kept)
     expected = [index for index, keep in enumerate(kept, start=1) if keep]
-    assert [item.input_tokens for item in profile.window] == expected
+    assert [item.input_tokens for item in profile.window] == expected[-64:]
+
+
+def test_the_default_rng_is_seeded_so_two_profiles_keep_the_same_requests() -> None:
+    first = LoadProfile(window_size=64, sample_rate=4)
+    second = LoadProfile(window_size=64, sample_rate=4)
+    assert [first.observe(sample(n)) for n in range(200)] == [second.observe(sample(n)) for n in range(200)]
+    assert 25 <= first.sampled <= 75  # one in four on average: 50 expected
+
+
+@pytest.mark.parametrize("big_at", [0, 1, 2, 3])
+def test_sampling_does_not_alias_with_waves_of_four(big_at: int) -> None:
+    """Agents answer in waves of 4 whose one big request has the same place in every wave: whatever that place, the
+    window sees the big ones (a stride of 4 would see only one place of the wave, so P90 would be 128 for 3 of the 4
+    placements)."""
+    profile = LoadProfile(window_size=64, sample_rate=4)
+    for _ in range(100):
+        for place in range(4):
+            profile.observe(sample(kv_cells_peak=1030 if place == big_at else 128))
+    peaks = profile.values("kv_cells_peak")
+    assert len(peaks) == 64
+    assert 6 <= peaks.count(1030) <= 40  # a quarter of the requests: 16 expected
+    assert profile.percentiles("kv_cells_peak").p90 == 1030
 
 
 def test_the_window_slides_over_the_last_samples() -> None:
@@ -111,10 +133,10 @@ def test_the_window_slides_over_the_last_samples() -> None:
     st.lists(st.integers(min_value=0, max_value=10_000), max_size=100),
 )
 def test_the_window_holds_the_last_sampled_requests(window_size: int, rate: int, tokens: list[int]) -> None:
-    profile = LoadProfile(window_size, rate)
+    profile = LoadProfile(window_size, rate, rng=random.Random(11))
     for count in tokens:
         profile.observe(sample(count))
-    sampled = tokens[rate - 1 :: rate]
+    sampled = [count for count, keep in zip(tokens, picks(11, rate, len(tokens)), strict=True) if keep]
     assert profile.observed == len(tokens)
     assert profile.sampled == len(sampled)
     assert [item.input_tokens for item in profile.window] == sampled[-window_size:]

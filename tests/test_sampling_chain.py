@@ -92,7 +92,8 @@ def test_the_chain_draws_what_llama_cpps_own_sampler_draws_with_penalties_and_mi
     drawn = []
     with ModelWeights(tiny_model) as weights:
         for sampling in settings:  # each alone: a batch rounds logits a little differently
-            with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=64, n_threads=THREADS) as context:
+            with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=64, n_threads=THREADS,
+                                flash_attn="off") as context:  # off, as in llama_cpp.Llama by default
                 context.add(0, prompt, sampling, 24, seen=[])
                 while context.has_work():
                     context.step()
@@ -253,8 +254,9 @@ def test_one_sequences_grammar_leaves_the_others_in_the_batch_as_they_are_alone(
     samplings = [Sampling(grammar=YES_NO), GREEDY, Sampling(temperature=1.0, seed=7),
                  Sampling(grammar=Grammar('root ::= "ab"'), logit_bias=tuple((t, -math.inf) for t in ends(qwen)))]
 
-    def solo(index: int) -> list[int]:
-        with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=64, n_threads=THREADS) as context:
+    def solo(index: int) -> list[int]:  # flash attention off on both sides: the texts are compared byte for byte
+        with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=64, n_threads=THREADS,
+                            flash_attn="off") as context:
             context.add(0, prompts[index], samplings[index], 12)
             while context.has_work():
                 context.step()
@@ -262,7 +264,8 @@ def test_one_sequences_grammar_leaves_the_others_in_the_batch_as_they_are_alone(
 
     alone = [solo(index) for index in range(4)]
     ended: dict[int, int] = {}
-    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=64, n_threads=THREADS) as context:
+    with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=64, n_threads=THREADS,
+                        flash_attn="off") as context:
         for seq_id, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
             context.add(seq_id, prompt, sampling, 12)
         for step in itertools.count(1):

@@ -18,7 +18,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_TOOLS = {"pytest", "hypothesis", "ruff", "openai", "playwright", "jsonschema", "anthropic"}
+TEST_TOOLS = {"pytest", "hypothesis", "ruff", "openai", "playwright", "jsonschema", "anthropic", "litellm",
+              "kubernetes-validate"}
 """What only the tests use: none of it belongs on a production box."""
 SYSTEM_TOOLS = ("python3", "bash", "env", "dirname", "nproc", "id", "touch", "apt-get", "sudo")
 """The commands the scripts call, linked into the PATH of a run (systemd-analyze is left out: it is "missing")."""

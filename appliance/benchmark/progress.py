@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Protocol, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 WORD = "PROGRESS"
 MAX_COUNT_DIGITS = 12
@@ -83,6 +84,8 @@ class BarProgress:
         self.bar: tqdm[None] | None = None
 
     def start(self, total: int) -> None:
+        from tqdm import tqdm  # lazy: the daemon imports this module for parse_progress, and tqdm is 2 MiB
+
         self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def advance(self, label: str) -> None:

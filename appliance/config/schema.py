@@ -20,6 +20,8 @@ from typing import Any
 
 DATA_DIR_PREFIX = "{data_dir}"
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}", re.ASCII)
+"""``http.instance_name``: a header value a router can key on (``box-1``, ``edge-7.lan:8080``)."""
 MODEL_ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
 """An alias may also hold ``/``, ``@`` and ``+`` (agent CLIs send names like ``openai/gpt-4.1``)."""
 HOST_NAME = re.compile(r"(?:[A-Za-z0-9_*](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\])", re.ASCII)
@@ -275,6 +277,15 @@ def _to_gpu_layers(value: Any) -> int | None:
     return value
 
 
+def _to_flash(value: Any) -> str:
+    """``auto``, or a boolean: ``on`` / ``off``."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    raise ValueError(f"must be `auto`, true or false (got {show(value)})")
+
+
 def _to_pair(value: Any) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and _is_int(value[1])):
         raise ValueError(f"must be a list of two integers (got {show(value)})")
@@ -307,6 +318,7 @@ ORIGINS = Kind("list of origins", _to_origins)
 ALIASES = Kind("list of names", _to_aliases)
 AUTO_COUNT = Kind("`auto` or integer", _to_auto_count)
 GPU_LAYERS = Kind("`auto` or integer", _to_gpu_layers)
+FLASH = Kind("`auto` or boolean", _to_flash)
 
 
 class _Required:
@@ -423,6 +435,12 @@ def _check_model_name(value: str) -> str | None:
     if MODEL_NAME.fullmatch(value):
         return None
     return "must be 1-64 of letters, digits, '_', '.', ':', '-'"
+
+
+def _check_instance_name(value: str) -> str | None:
+    if INSTANCE_NAME.fullmatch(value):
+        return None
+    return "must be 1-64 of letters, digits, '_', '.', ':', '-' (null: the host name and HTTP port)"
 
 
 def _check_tiny_dim(value: int) -> str | None:
@@ -576,6 +594,24 @@ SETTINGS: tuple[Setting, ...] = (
         "Close an idle keep-alive HTTP connection after this many seconds.",
         minimum=0.1, maximum=3600,
     ),
+    Setting(
+        "http.scrape_without_token", BOOL, False,
+        "Serve /metrics and the health document (/v1/health, /health) without http.api_token, for scrapers and "
+        "routers that cannot send one; every other route still requires it. With a non-loopback http.host it "
+        "also needs http.confirm_public_scrape: anyone who reaches the port then reads the model names, queue "
+        "depth and load.",
+    ),
+    Setting(
+        "http.confirm_public_scrape", BOOL, False,
+        "Confirms http.scrape_without_token on a non-loopback http.host (no effect on its own).",
+    ),
+    Setting(
+        "http.instance_name", STR, None,
+        "This appliance's name in a fleet: sent as the `x-appliance-instance` header of generation replies, "
+        "/v1/health and /v1/models (a router keeps an agent on its box by it), and shown by /v1/health and "
+        "STATUS. null = `<host name>:<http port>`.",
+        nullable=True, check=_check_instance_name,
+    ),
     # engine
     Setting(
         "engine.adaptive_window_size", INT, 64,
@@ -584,13 +620,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.adaptive_sample_rate", INT, 4,
-        "Profile every N-th request.",
+        "Profile one request in N, picked at random (seeded), so that agents answering in waves of N do not keep "
+        "only one place of every wave.",
         minimum=1, maximum=10000,
     ),
     Setting(
         "engine.hot_pool_slack", FLOAT, 1.2,
         "Adaptive engine: the hot KV pool is the profiled requests' P90 KV need times this (in steps of 256 cells, "
-        "at most the model's n_ctx); a longer request runs in a temporary cold context.",
+        "at most the model's n_ctx); the need counts the requests waiting for cells, and the pool grows at once when "
+        "they wait, or when one request is longer than it (it shrinks only past a 25% margin).",
         minimum=1.0, maximum=10.0,
     ),
     Setting(
@@ -628,11 +666,17 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1, maximum=64,
     ),
     Setting(
-        "engine.flash_attention", BOOL, False,
-        "llama.cpp's flash attention in live contexts: faster batched decoding (measured on the CPU with a 12-layer "
-        "768-wide model: +39% tokens/s with 4 sequences, +52% with 8) and a faster KV park (its V cache is not "
-        "transposed), but a sequence decoded beside others then rounds differently from the same request run "
-        "alone (its greedy text may differ). A change applies to models loaded after it.",
+        "engine.flash_attention", FLASH, "auto",
+        "llama.cpp's flash attention in live contexts. `auto`: on wherever llama.cpp can run it for the model on "
+        "its device (always on the CPU); true: on; false: off. STATUS, /v1/health and the admin page show what "
+        "each live context runs. On is faster (12-layer 768-wide model, 8 sequences, 2 CPU threads, side by side on "
+        "a loaded box): batched decoding 1.5x the tokens/s, and parking a conversation 58x faster, its V cache not "
+        "being transposed (one 128-cell sequence beside 7 others: 1.1 ms against 65 ms). false is for an "
+        "operator who needs a request's text byte-equal whether it was decoded beside others or alone: with flash "
+        "attention a sequence decoded beside others rounds differently (its logits differ by about 1e-3; a "
+        "near-tie greedy token may differ). A quantized `cache_type` needs it (false refuses one). Conversations "
+        "saved to disk under the other V layout are re-evaluated from their tokens. A change applies to models "
+        "loaded after it.",
     ),
     Setting(
         "engine.adaptive", BOOL, True,

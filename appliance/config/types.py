@@ -55,6 +55,9 @@ class HttpConfig:
     allowed_hosts: tuple[str, ...]
     cors_origins: tuple[str, ...]
     keep_alive_timeout_s: float
+    scrape_without_token: bool
+    confirm_public_scrape: bool
+    instance_name: str | None  # None = "<host name>:<port>" (appliance.http.affinity.instance_name)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class EngineConfig:
     plan_boundaries: tuple[int, int]
     threads: int  # 0 = automatic
     live_slots: int
-    flash_attention: bool
+    flash_attention: str  # "auto" | "on" | "off" (appliance.engine.flash.FlashMode)
     live_contexts: int | None  # None = auto
     adaptive: bool
 

@@ -476,7 +476,8 @@ def _check_aliases(validator: _Validator, models: list[Any], names: dict[str, in
 
 
 def _check_http(validator: _Validator, http: Any) -> None:
-    """A non-loopback HTTP host needs an API token, and so does ``http.cors_origins: ["*"]``."""
+    """A non-loopback HTTP host needs an API token, and so does ``http.cors_origins: ["*"]``; scraping without the
+    token on a non-loopback host needs ``http.confirm_public_scrape``."""
     if http is _BAD:
         return
     if http["cors_origins"] is not _BAD and schema.ANY_ORIGIN in http["cors_origins"] and http["api_token"] is None:
@@ -488,6 +489,12 @@ def _check_http(validator: _Validator, http: Any) -> None:
     if http["api_token"] is None and not _is_loopback(http["host"]):
         validator.report("http.host", validator.lines.get("http.host"),
                          f"binding to '{http['host']}' (not loopback) requires http.api_token")
+    if http["scrape_without_token"] is True and http["confirm_public_scrape"] is not True \
+            and not _is_loopback(http["host"]):
+        validator.report("http.scrape_without_token", validator.lines.get("http.scrape_without_token"),
+                         f"serving /metrics and /v1/health without http.api_token on '{http['host']}' (not "
+                         "loopback) lets anyone who can reach the port read the model names, queue depth and "
+                         "load: set http.confirm_public_scrape: true to allow it")
 
 
 def _base_folder(source: Path | None, base_dir: Path | None) -> Path:

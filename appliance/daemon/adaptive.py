@@ -11,8 +11,19 @@ engine and the ledger.
   engine job beside the live one, and swapped in once no request of the model is in flight (its live
   conversations carried over); without, the model's next request rebuilds it inline before it starts. Then the
   live context's ledger key takes the new figure and the temporary key goes.
-* **Cold path.** A request longer than the hot pool reserves a one-sequence context of its size under
-  :func:`cold_key` (one at a time per model), runs there, and the key is released when it ends.
+* **Queue demand.** A request refused for want of KV cells while a sequence was free (admission blocked on cells)
+  tells :meth:`AdaptiveLoop.blocked` what the requests in flight and those waiting need; the tuner then asks for a
+  pool that holds them at once (:meth:`~appliance.engine.adaptive.Tuner.queue_demand`). While a grown pool waits
+  to be swapped in, the model's requests do not start (they queue): the ones in flight end, the pool is replaced,
+  and the waiting ones start together in it.
+* **Never two contexts past ``n_ctx``.** A context is built beside the live one only when both together hold at
+  most the model's ``n_ctx`` cells (:func:`~appliance.engine.tuning.builds_beside`); otherwise the live
+  conversations are parked in host RAM and the live context freed before the new one is built
+  (``runtime.rebuild``), its ledger figure replaced in place. The parked states still take host RAM meanwhile.
+* **Cold path.** A request longer than the hot pool first grows the hot pool to hold it (:meth:`AdaptiveLoop.
+  grow_for`); only where that is not possible (the ledger denies it, or ``engine.async_switch: false``) it reserves
+  a one-sequence context of its size under :func:`cold_key` (one at a time per model), runs there, and the key is
+  released when it ends.
 * **Warm-up** (E5): ``engine.warmup_runs`` short generations seed a newly loaded model's profile, in their own
   engine queue and only while no request of the model is in flight; health says ``warming`` meanwhile.
 """
@@ -25,6 +36,7 @@ import copy
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.daemon import offload
@@ -103,6 +115,7 @@ class AdaptiveLoop:
         self.warming: set[str] = set()
         self.switches = 0
         self.colds = 0
+        self.draining: set[str] = set()  # models whose requests wait to start while a grown pool is swapped in
         self.tasks: set[asyncio.Task[Any]] = set()  # warm-ups running
 
     async def close(self) -> None:
@@ -216,6 +229,29 @@ class AdaptiveLoop:
         if self.tuner(model).observe(sample):
             self.schedule(model)
 
+    def blocked(self, model: Model, demand: int) -> None:
+        """Admission of ``model`` is blocked on cells: its requests in flight and those waiting need ``demand``
+        cells. Grow its pool now when its tuner says so."""
+        if model.runtime is None or not self.tuner(model).queue_demand(demand):
+            return
+        log.info("model %s: requests wait for KV cells (%d needed in flight and waiting, pool %d): growing the pool",
+                 model.key, demand, model.runtime.pool_cells)
+        self.schedule(model)
+
+    async def grow_for(self, model: Model, cells: int) -> bool:
+        """A request of ``model`` needs ``cells`` cells, more than its hot pool: grow the hot pool to hold it (no
+        cold context beside it). True when the pool now holds it; False when the tuner, the ledger or
+        ``engine.async_switch: false`` (the growth would wait for the next request) leave it smaller."""
+        runtime = model.runtime
+        if runtime is None or not self.daemon.config.engine.async_switch:
+            return False
+        if not self.tuner(model).queue_demand(cells):
+            return False
+        self.schedule(model)
+        while model.retuning is not None and not model.retuning.done():
+            await asyncio.gather(model.retuning, return_exceptions=True)
+        return model.runtime is runtime and runtime.pool_cells >= cells
+
     def tick(self) -> None:
         """Read the CPU (every :data:`CPU_INTERVAL_S`) and move every loaded model's threads if their tuner says so."""
         reading = read_cpu()
@@ -290,6 +326,9 @@ class AdaptiveLoop:
         runtime = model.runtime
         if runtime is None:
             return False
+        grow = wanted.pool_cells > runtime.pool_cells
+        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx):
+            return await self.rebuild(model, wanted, drain=grow)
         nbytes = self.context_bytes(model, wanted.pool_cells)
         key = next_key(model.key)
         try:
@@ -303,10 +342,14 @@ class AdaptiveLoop:
             started = time.perf_counter()
             await daemon.engine.call(runtime.prepare, wanted, queue=("tune", model.key))
             prepared = time.perf_counter() - started
+            if grow:
+                self.draining.add(model.key)  # the requests waiting start in the grown pool, not before it
             while True:
                 if model.runtime is not runtime or runtime.prepared is None or not runtime.has_context:
                     return False  # unloaded, or its context freed meanwhile
-                if model.active == 0:
+                if self.tuner(model).held_floor() > wanted.pool_cells:
+                    return False  # more requests wait for cells than it was built for: the next retune builds it
+                if not runtime.slots.busy:
                     parked = await daemon.engine.call(runtime.switch, queue=("tune", model.key))
                     if parked is not None:
                         break
@@ -320,11 +363,77 @@ class AdaptiveLoop:
                      wanted.pool_cells, wanted.plan, prepared * 1000)
             return True
         finally:
+            self.undrain(model)
             if not switched:
                 daemon.ledger.release(key)
                 if model.runtime is runtime:
                     job = daemon.engine.submit(runtime.drop_prepared, queue=("tune", model.key))
                     asyncio.ensure_future(job).add_done_callback(log_failure)
+
+    async def rebuild(self, model: Model, wanted: Tuning, *, drain: bool) -> bool:
+        """Replace ``model``'s live context with ``wanted``'s without the two ever existing at once: once no
+        request is in flight in it (with ``drain``, none starts meanwhile), its conversations are parked, it is
+        freed and the new one built (``runtime.rebuild``). The context's ledger figure is replaced in place first;
+        False when the ledger denies the new one (the old one stays) or the context went away meanwhile."""
+        daemon = self.daemon
+        runtime = model.runtime
+        if runtime is None:
+            return False
+        nbytes = self.context_bytes(model, wanted.pool_cells)
+        key = context_key(model.key)
+        if drain:
+            self.draining.add(model.key)
+        try:
+            while True:
+                if model.runtime is not runtime or not runtime.has_context:
+                    return False
+                if runtime.slots.busy:
+                    await asyncio.sleep(SWITCH_POLL_S)  # requests in flight: look again soon
+                    continue
+                floor = min(self.tuner(model).held_floor(), model.spec.n_ctx)  # more may wait now than at first
+                if floor > wanted.pool_cells:
+                    wanted = replace(wanted, pool_cells=floor)
+                    nbytes = self.context_bytes(model, wanted.pool_cells)
+                old = daemon.ledger.release(key)
+                try:
+                    self.reserve(key, nbytes)
+                except ApplianceError:
+                    self.reserve(key, old)  # just released: it fits again
+                    log.info("model %s: a %d-cell pool (%d bytes) does not fit in the ledger now; kept %d cells",
+                             model.key, wanted.pool_cells, nbytes, runtime.tuning.pool_cells)
+                    return False
+                try:
+                    started = time.perf_counter()
+                    parked = await daemon.engine.call(runtime.rebuild, wanted, queue=("tune", model.key))
+                except BaseException:
+                    daemon.ledger.release(key)
+                    if runtime.has_context:
+                        self.reserve(key, old)
+                    raise
+                if parked is not None:
+                    break
+                daemon.ledger.release(key)
+                if not runtime.has_context:  # freed meanwhile (another model's context took its place): no key
+                    return False
+                self.reserve(key, old)  # a request started meanwhile: the old figure until it ends
+            dropped = await daemon.engine.call(daemon.fit_host_kv, queue=("tune", model.key))
+            daemon.counters["host_kv_drops"] += len(dropped)
+            self._record(model, wanted, nbytes, parked)
+            log.info("model %s: context now %d cells, plan %s (rebuilt in place in %.0f ms, %d conversations parked)",
+                     model.key, wanted.pool_cells, wanted.plan, (time.perf_counter() - started) * 1000, len(parked))
+            return True
+        finally:
+            self.undrain(model)
+
+    def undrain(self, model: Model) -> None:
+        """``model``'s requests may start again: the ones waiting try now."""
+        if model.key not in self.draining:
+            return
+        self.draining.discard(model.key)
+        waiters, model.waiters = model.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def apply_pending(self, model: Model) -> None:
         """``async_switch: false``: rebuild the model's context now, inline (its next request waits for it)."""
@@ -333,6 +442,9 @@ class AdaptiveLoop:
         if wanted is None or runtime is None or runtime.busy or not runtime.has_context:
             return
         model.pending = None
+        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx):
+            await self.rebuild(model, wanted, drain=False)  # the live context freed first: no peak above n_ctx
+            return
         nbytes = self.context_bytes(model, wanted.pool_cells)
         key = next_key(model.key)
         try:
@@ -363,6 +475,11 @@ class AdaptiveLoop:
             ledger.rename(next_key(model.key), context_key(model.key))
         else:
             ledger.release(next_key(model.key))
+        self._record(model, wanted, nbytes, parked)
+
+    def _record(self, model: Model, wanted: Tuning, nbytes: int, parked: list[Conversation]) -> None:
+        """The model's estimate, tuner and counters after its context became ``wanted``'s (``nbytes`` in the
+        ledger)."""
         weights = (model.estimate or 0) - model.context_bytes
         model.context_bytes = nbytes
         model.estimate = weights + nbytes

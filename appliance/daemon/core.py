@@ -485,6 +485,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
                             "pool_cells": runtime.pool_cells, "pool_bytes": model.context_bytes,
                             "cold_cells": runtime.cold_cells, "cold_bytes": model.cold_bytes,
                             "plan": tuning.plan, "threads": tuning.threads,
+                            "flash_attention": runtime.flash_attention,
                             "adaptive": self.config.engine.adaptive})
         return records
 
@@ -501,6 +502,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
         models = [{"name": m.key, "state": self.model_state(m.key), "loaded": m.runtime is not None,
                    "refcount": m.refcount,
                    "estimate_bytes": m.estimate, "measured_bytes": m.measured, "inflight": m.inflight,
+                   "decoding": m.decoding,
                    "n_ctx": m.spec.n_ctx, "path": str(m.path), "retired": m.retired,
                    "held_bytes": self.model_bytes(m), "idle_ttl_s": m.spec.idle_ttl_s,
                    "unloads_in_s": policy.unloads_in(m.view(), self.clock()),
@@ -520,6 +522,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
                 "host_kv": self.host_kv(),
                 "engine": {"live_slots": self.config.engine.live_slots,
                            "live_contexts": self.config.engine.live_contexts or "auto",
+                           "flash_attention": self.config.engine.flash_attention,
                            "contexts_live": len(self.live_contexts()),
                            "adaptive": self.config.engine.adaptive,
                            "warming": bool(self.adaptive.warming),

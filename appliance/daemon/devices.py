@@ -11,6 +11,7 @@ Device specs: ``auto`` (NVML GPU 0 when NVML initialises and reports at least on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -18,8 +19,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
-
-import pynvml
 
 from appliance.config.schema import parse_size
 from appliance.daemon import hostkv
@@ -74,10 +73,23 @@ def physical_memory() -> int:
 
 _nvml_lock = threading.Lock()
 _nvml_ready = False
+NVML_LIBRARY = "libnvidia-ml.so.1"
+"""The NVIDIA driver's NVML library, by the name pynvml loads it on Linux."""
+
+
+def nvml_library_loads() -> bool:
+    """Whether the NVIDIA driver's NVML library loads; without it NVML can report no GPU."""
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        return False
+    return True
 
 
 def _nvml_init() -> None:
     """Initialise NVML once per process (kept until exit); raise ``pynvml.NVMLError``, not cached."""
+    import pynvml  # lazy: pynvml is about 2 MiB of Python objects, and only an NVML device uses it
+
     global _nvml_ready
     with _nvml_lock:
         if not _nvml_ready:
@@ -86,7 +98,14 @@ def _nvml_init() -> None:
 
 
 def gpu_visible() -> bool:
-    """True when NVML initialises and reports at least one GPU. Never raises."""
+    """True when NVML initialises and reports at least one GPU. Never raises.
+
+    Without the driver's NVML library the answer is False before pynvml is imported (a CPU-only box never loads
+    it)."""
+    if not nvml_library_loads():
+        return False
+    import pynvml  # lazy: see _nvml_init
+
     try:
         _nvml_init()
         return pynvml.nvmlDeviceGetCount() >= 1
@@ -100,6 +119,8 @@ class NvmlDevice:
     kind: DeviceKind = "nvml"
 
     def __init__(self, index: int) -> None:
+        import pynvml  # lazy: see _nvml_init
+
         self.index = index
         self.spec = f"nvml:{index}"
         try:
@@ -122,6 +143,8 @@ class NvmlDevice:
 
         None also when our pid is not listed: in a container NVML lists host pids, so absence proves nothing.
         """
+        import pynvml  # lazy: see _nvml_init
+
         try:
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
         except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError):  # NotSupported, NoPermission, old driver
@@ -134,6 +157,8 @@ class NvmlDevice:
     def read(self) -> DeviceReading:
         if self._closed:
             raise ApplianceError("INTERNAL", f"memory device {self.spec} is closed", {"device": self.spec})
+        import pynvml  # lazy: see _nvml_init
+
         try:
             mem = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
             process_used = self._process_used()

@@ -42,6 +42,7 @@ from appliance.daemon.store import (
     Write,
     file_identity_text,
 )
+from appliance.engine import flash
 from appliance.engine.interface import Conversation
 from appliance.errors import ApplianceError
 
@@ -193,7 +194,8 @@ class Durable(DaemonBase):
     # -- the disk tier (engine thread) -----------------------------------------------------------------------
     def validity(self, model: Model) -> Validity:
         identity = "" if model.file is None else file_identity_text(model.file)
-        return Validity(identity, model.spec.n_ctx, model.spec.cache_type, bool(self.config.engine.flash_attention))
+        v_layout = not flash.v_transposed(flash.mode_of(self.config.engine.flash_attention))
+        return Validity(identity, model.spec.n_ctx, model.spec.cache_type, v_layout)
 
     def spill(self, agent: Agent) -> bool:
         """Write ``agent``'s parked state to disk and free its host buffer; False when there is no disk tier or the

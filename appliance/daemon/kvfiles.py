@@ -41,7 +41,7 @@ class Validity:
     model_file: str
     n_ctx: int
     cache_type: str
-    flash_attention: bool
+    flash_attention: bool  # the V layout: True = as flash attention stores it (auto or on), False = transposed (off)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Model:
     state: ModelState = "available"
     refcount: int = 0
     inflight: int = 0
+    decoding: int = 0  # its requests started on the engine thread and not ended (written by that thread only)
     last_used: float = 0.0
     baseline: int = 0
     kv_bytes_per_token: int = 0  # the largest ratio its KV swaps showed (engine thread): sizes a state before a swap

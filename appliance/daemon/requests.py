@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 from appliance.daemon import hostkv, offload, policy
+from appliance.daemon.admission import ShortOfCells
 from appliance.daemon.base import DaemonBase, finish, log
 from appliance.daemon.devices import process_bytes
 from appliance.daemon.model import (
@@ -33,12 +34,12 @@ from appliance.daemon.model import (
     forget_parked,
     next_key,
 )
-from appliance.engine import gguf_meta
+from appliance.engine import gguf_meta, wakeups
 from appliance.engine.embedding import Embeddings, context_size
 from appliance.engine.interface import GREEDY, Conversation, Generation, PromptText, Sampling, Token
 from appliance.engine.prompts import PromptVocabulary, tokenize_prompt
-from appliance.engine.slots import ColdNeeded
-from appliance.engine.worker import DEFAULT_QUEUE
+from appliance.engine.slots import ColdNeeded, Request
+from appliance.engine.worker import DEFAULT_QUEUE, jobs_waiting
 from appliance.errors import ApplianceError
 
 ACCEPTED: contextvars.ContextVar[bool] = contextvars.ContextVar("appliance_accepted", default=False)
@@ -50,6 +51,37 @@ next)."""
 
 WAIT_TURN = object()
 """What a request's start returns when others already wait for a sequence of its model (it queues behind them)."""
+DRAINING = object()
+"""What a request's start returns while a grown pool is about to replace the live one (it starts in the new one)."""
+
+
+def first_step(runtime: Any, cancelled: bool = False) -> None:
+    """On the engine thread, right after a request started: its first step (its prompt and first token) in the
+    same engine job when no other job waits on the engine (nothing that could join that step: the step loop keeps a
+    step queued while requests are in flight, so a request that arrives then joins the others' next step). A
+    1-token request ends here: one engine job from its start to its end. A request ``cancelled`` before it started
+    (its caller left, the stop's grace is over) always steps here: it is reaped at once, before any job queued
+    behind it (an unload) could end it otherwise. A step's failure is its requests' (they ended with it): anything
+    else is logged, as the step loop does, and the step loop goes on."""
+    if jobs_waiting() != 0 and not cancelled:
+        return
+    try:
+        runtime.step()
+    except Exception:
+        log.exception("a decode step failed")
+
+
+async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:
+    """:func:`~appliance.daemon.base.finish` for a request's start: a caller cancelled meanwhile sets ``cancel``
+    first, so that a first step taken in the start's job (held by a paused stream) ends at its next token."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        if cancel is not None:
+            cancel.set()
+        with contextlib.suppress(Exception):
+            await job
+        raise
 
 
 class Requests(DaemonBase):
@@ -57,7 +89,10 @@ class Requests(DaemonBase):
 
     async def decode(self, agent_id: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                      on_token: Callable[[Token], None] | None = None,
-                     cancel: threading.Event | None = None) -> DecodeResult:
+                     cancel: threading.Event | None = None,
+                     on_result: Callable[[DecodeResult], None] | None = None) -> DecodeResult:
+        """A request in agent ``agent_id``'s conversation. ``on_result`` (see :meth:`_run`) is called once the
+        finished turn is committed to the store: a durable agent's reply never comes before its commit."""
         with self.accepting():
             agent = self.agent(agent_id)
             async with agent.lock:
@@ -74,20 +109,25 @@ class Requests(DaemonBase):
                 agent.restored_from = result.restored_from
                 if result.generation.stop_reason != "cancelled":  # a cancelled one was rolled back: nothing new
                     await self.commit_agent(agent)  # before the reply's last line: a restart keeps this turn
+                if on_result is not None:
+                    on_result(result)
                 return result
 
     async def complete(self, ref: str, n_tokens: int, prompt: PromptText, sampling: Sampling = GREEDY,
                        on_token: Callable[[Token], None] | None = None,
-                       cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
+                       cancel: threading.Event | None = None, queue: Hashable | None = None,
+                       on_result: Callable[[DecodeResult], None] | None = None) -> DecodeResult:
         """A stateless request (HTTP, MAGN without a session): a fresh conversation every time. ``queue`` is the
-        engine queue it waits in (its connection; default: one queue for the model's stateless requests)."""
+        engine queue it waits in (its connection; default: one queue for the model's stateless requests);
+        ``on_result`` see :meth:`_run`."""
         with self.accepting():
             model = self.resolve(ref)
             model.inflight += 1
             try:
                 await self.acquire(model)
                 return await self._run(model, Conversation(), None, n_tokens, prompt, sampling, on_token, cancel,
-                                       ephemeral=True, queue=("stateless", model.key) if queue is None else queue)
+                                       ephemeral=True, queue=("stateless", model.key) if queue is None else queue,
+                                       on_result=on_result)
             finally:
                 model.inflight -= 1
                 model.last_used = self.clock()
@@ -186,12 +226,17 @@ class Requests(DaemonBase):
     async def _run(self, model: Model, conv: Conversation, agent: Agent | None, n_tokens: int,
                    prompt: PromptText, sampling: Sampling, on_token: Callable[[Token], None] | None,
                    cancel: threading.Event | None, ephemeral: bool = False,
-                   queue: Hashable = DEFAULT_QUEUE) -> DecodeResult:
+                   queue: Hashable = DEFAULT_QUEUE,
+                   on_result: Callable[[DecodeResult], None] | None = None) -> DecodeResult:
         """Generate in the model's live context: claim the context (SPEC L8), start the request on the engine
         thread (``queue`` is the engine queue it waits in: an agent's decodes, a connection's stateless requests)
         once a sequence is free for it, then let the model's step loop decode it together with the others
         (SPEC L9) until it ends. The start reads the model's runtime when it runs: a reload queued before it may
-        have replaced the runtime. Accepted before a graceful stop began, it still runs until the grace is over."""
+        have replaced the runtime. Accepted before a graceful stop began, it still runs until the grace is over.
+
+        ``on_result`` (on the loop, must not raise) gets the result as soon as it is known, before the bookkeeping
+        that no reply needs (the model's load profile sample): a surface writes its reply from it. It is not called
+        for a request that raises."""
         if self.grace_over:
             raise ApplianceError("SHUTTING_DOWN")
         if model.runtime is None:
@@ -209,7 +254,8 @@ class Requests(DaemonBase):
 
         def on_done(request: Any) -> None:  # engine thread
             self.decoding -= 1
-            loop.call_soon_threadsafe(self._request_ended, model, ended, request)
+            model.decoding -= 1
+            wakeups.call_soon(loop, self._request_ended, model, ended, request)  # with the job's result: one wake-up
 
         def start(queued: bool, cold: bool = False) -> Any:
             nonlocal rebuilt, source, from_disk
@@ -218,6 +264,8 @@ class Requests(DaemonBase):
             runtime = model.runtime
             if runtime is None:
                 raise ApplianceError("INTERNAL", f"model {model.key!r} is not loaded")
+            if model.key in self.adaptive.draining:  # a grown pool is about to replace this one: start in it
+                return DRAINING
             # The agents as they are now, not at submit time: the engine may have served other queues first.
             # dict.copy() runs under the GIL in one piece, so the loop cannot change the dict halfway through.
             agents = list(self.agents.copy().values())
@@ -236,6 +284,10 @@ class Requests(DaemonBase):
 
             request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
                                     on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
+            if request is None and not cold and len(runtime.slots.requests) < runtime.live_slots:
+                # A sequence was free: the cells are short (the pool's demand counts this request, AdaptiveLoop).
+                return ShortOfCells(runtime.slots.refused_need,
+                                    sum(other.need for other in runtime.slots.requests.values()))
             if request is None or isinstance(request, ColdNeeded):
                 return request
             if request.evicted or request.restored:
@@ -247,6 +299,9 @@ class Requests(DaemonBase):
                 model.kv_bytes_per_token = max(model.kv_bytes_per_token, ratio)
             dropped.extend(self._fit_host_kv(agents))
             self.decoding += 1
+            model.decoding += 1
+            if not queued or cancel.is_set():  # nobody waits for a sequence (else the step loop steps it)
+                first_step(runtime, cancel.is_set())
             return request
 
         model.inflight += 1
@@ -264,15 +319,18 @@ class Requests(DaemonBase):
             parked = await self._open_context(model)
             if model.pending is not None:
                 await self.adaptive.apply_pending(model)
-            request = await self._admit(model, start, queue)
+            request = await self._admit(model, start, queue, cancel)
+            if isinstance(request, ColdNeeded) and await self.adaptive.grow_for(model, request.cells):
+                request = await self._admit(model, start, queue, cancel)  # the hot pool grew to hold it
             if isinstance(request, ColdNeeded):  # longer than the hot pool: a cold context of its own (SPEC E2)
                 needed = request
                 request = None
                 await model.cold_lock.acquire()
                 cold_held = True
                 await self.adaptive.open_cold(model, needed.cells)
-                request = await self._admit(model, functools.partial(start, cold=True), ("cold", model.key))
-            self._drive(model)
+                request = await self._admit(model, functools.partial(start, cold=True), ("cold", model.key), cancel)
+            if not request.done:  # a request alone took its first step as it started (first_step)
+                self._drive(model)
             await asyncio.shield(ended)
         except asyncio.CancelledError:
             # Stop at the next step (a start that ran while its caller went away is reaped there too); wait for a
@@ -282,6 +340,8 @@ class Requests(DaemonBase):
             if request is not None:
                 with contextlib.suppress(Exception):
                     await ended
+                if isinstance(request, Request):
+                    self.adaptive.observe(model, request)
             raise
         finally:
             fitted = None
@@ -330,32 +390,47 @@ class Requests(DaemonBase):
         self.counters["kv_restores"] += result.restored
         if model.measured is None:
             model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
+        if on_result is not None:  # its reply goes out now (nothing awaited after it); the profile's sample after
+            on_result(result)
+        self.adaptive.observe(model, request)
         return result
 
-    async def _admit(self, model: Model, start: Callable[[bool], Any], queue: Hashable) -> Any:
+    async def _admit(self, model: Model, start: Callable[[bool], Any], queue: Hashable,
+                     cancel: threading.Event | None = None) -> Any:
         """Start a request (``start`` on the engine thread). While sequences are free every request starts at once
         (the engine serves its queues in turn, so requests arriving together join the same step). A request that
         finds every sequence busy, or others already waiting, waits its turn (:class:`~appliance.daemon.admission.
         Admission`: round-robin over the engine queues, so a client keeping every sequence busy cannot starve
-        another); the one whose turn it is retries each time a request ends."""
+        another); the one whose turn it is retries each time a request ends. A caller that goes away while its
+        start runs sets ``cancel`` at once: a start that took the first step (:func:`first_step`) stops there."""
         ticket = object()
         queued = False
         try:
             while True:
                 seen = model.ended
                 if not queued or model.admission.head() is ticket:
-                    request = await finish(self.engine.submit(functools.partial(start, queued), queue=queue))
-                    if request is not None and request is not WAIT_TURN:
+                    request = await started(self.engine.submit(functools.partial(start, queued), queue=queue), cancel)
+                    short = request if isinstance(request, ShortOfCells) else None
+                    if request is not None and request is not WAIT_TURN and request is not DRAINING and short is None:
+                        if not isinstance(request, ColdNeeded):  # its pool demand counts the cells still waiting
+                            request.demand += model.admission.waiting_cells - model.admission.cells_of(ticket)
                         return request
                     if not queued:
                         model.admission.join(queue, ticket)
                         queued = True
-                        if request is WAIT_TURN:
-                            continue  # it never tried: try in its turn, which may be now
+                    if short is not None:
+                        model.admission.short_of_cells(ticket, short.need, short.in_flight)
+                    if model.admission.demand:  # blocked on cells: the queue's demand may grow the pool now
+                        self.adaptive.blocked(model, model.admission.demand)
+                    if request is WAIT_TURN:
+                        continue  # it never tried: try in its turn, which may be now
+                    if request is DRAINING:
+                        if model.key not in self.adaptive.draining:
+                            continue  # the grown pool went live while it tried (its wake-up came before this wait)
+                        await self._wait_for_wake(model)  # the pool's swap (undrain) wakes it
+                        continue
                 if model.ended == seen or model.admission.head() is not ticket:
-                    waiter = asyncio.get_running_loop().create_future()
-                    model.waiters.append(waiter)
-                    await waiter
+                    await self._wait_for_wake(model)
         finally:
             if queued:
                 model.admission.leave(queue, ticket)
@@ -366,6 +441,12 @@ class Requests(DaemonBase):
         held = self.ledger.reservations()
         return sum(held.get(key, 0) for key in (model.key, context_key(model.key), next_key(model.key),
                                                 cold_key(model.key), embedding_key(model.key)))
+
+    async def _wait_for_wake(self, model: Model) -> None:
+        """Wait until a request of ``model`` ends or its grown pool goes live (:meth:`_wake`)."""
+        waiter = asyncio.get_running_loop().create_future()
+        model.waiters.append(waiter)
+        await waiter
 
     def _wake(self, model: Model) -> None:
         waiters, model.waiters = model.waiters, []
@@ -381,7 +462,6 @@ class Requests(DaemonBase):
         if not ended.done():
             ended.set_result(request)
         self._wake(model)
-        self.adaptive.observe(model, request)
 
     def _drive(self, model: Model) -> None:
         """Make sure the model's step loop runs (a request was just started)."""

@@ -13,6 +13,12 @@ functions of :mod:`appliance.engine.tuning`:
 * **threads** (E4): by the share of the CPU this process can get (idle time plus its own), bands
   ``thread_idle_thresholds``, capped by the usable cores and by the cores that share stands for.
 
+**Queue demand.** When admission is blocked on cells (a sequence is free, but the cells the requests in flight and
+those waiting need are more than the pool), :meth:`Tuner.queue_demand` raises the pool at once to hold them all,
+without waiting for samples, and holds that size while the window turns over (:attr:`Tuner.floor`, for
+``window_size`` more requests): the samples taken meanwhile count the waiting requests' cells too, and only past
+that, with the usual shrink margin, may the pool shrink again.
+
 Until the window holds :data:`MIN_SAMPLES` samples the pool and plan stay as they are (a model starts with
 :data:`INITIAL_POOL` cells and plan S, or what its warm-up runs showed). ``adaptive: false`` is the fixed strategy:
 the configured ``n_ctx`` as one pool, the fixed plan, the fixed thread count; :meth:`Tuner.decide` then returns it.
@@ -111,6 +117,8 @@ class Tuner:
         self.usable_cores = usable_cores
         self.profile = LoadProfile(settings.window_size, settings.sample_rate)
         self.current = self.initial()
+        self.floor = 0  # the pool the queue asked for (queue_demand): kept until floor_until requests were observed
+        self.floor_until = 0
 
     def initial(self) -> Tuning:
         """The tuning a model starts with (nothing profiled yet)."""
@@ -146,6 +154,28 @@ class Tuner:
         """A warm-up run's sample: always kept (SPEC E5)."""
         self.profile.seed(sample)
 
+    def queue_demand(self, demand: int) -> bool:
+        """Admission is blocked on cells: the requests in flight and those waiting need ``demand`` cells. True when
+        the pool must grow for them (:meth:`decide` then asks for it at once, and keeps it while the next
+        ``window_size`` requests are observed); False when the pool holds them already, is at ``n_ctx``, or the
+        strategy is fixed."""
+        if not self.settings.adaptive:
+            return False
+        wanted = tuning.queue_pool_cells(demand, max(self.current.pool_cells, self.floor),
+                                         self.settings.hot_pool_slack, granularity=POOL_GRANULARITY,
+                                         maximum=self.n_ctx)
+        if wanted is None:
+            return False
+        self.floor = wanted
+        self.floor_until = self.profile.observed + self.settings.window_size
+        return True
+
+    def held_floor(self) -> int:
+        """The pool the queue asked for while it is held (0 once ``window_size`` requests were observed since)."""
+        if self.profile.observed >= self.floor_until:
+            self.floor = 0
+        return self.floor
+
     def decide(self, live_cells: int, cpu: CpuShare | None = None) -> Tuning:
         """The tuning the context should have now, with ``live_cells`` held by its live conversations and the
         latest CPU reading (None: threads stay)."""
@@ -162,7 +192,7 @@ class Tuner:
                                            maximum=max(self.n_ctx, POOL_GRANULARITY))
             pool = min(tuning.resize_pool(pool, wanted), self.n_ctx)
             plan = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries, plan)
-        pool = max(pool, min(live_cells, self.n_ctx))
+        pool = max(pool, min(live_cells, self.n_ctx), min(self.held_floor(), self.n_ctx))
         threads = current.threads
         if settings.pinned_threads:
             threads = settings.fixed_threads

@@ -66,6 +66,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from appliance.engine import flash, llamalog
+from appliance.engine.flash import FlashMode
 from appliance.engine.interface import GREEDY, Grammar, Sampling, StopReason
 from appliance.engine.sampler import NO_TOKEN, Candidates, Draw, GrammarParts, SequenceSampler
 from appliance.engine.sampling import check_grammar, sampling_error
@@ -338,8 +340,8 @@ class BatchedContext:
     """
 
     def __init__(self, weights: ModelWeights, *, n_ctx: int, n_seq_max: int, n_batch: int,
-                 n_threads: int | None = None, prefill_limit: int | None = None, flash_attn: bool = False,
-                 n_ubatch: int | None = None, cache_type: str = "f16") -> None:
+                 n_threads: int | None = None, prefill_limit: int | None = None,
+                 flash_attn: FlashMode | bool = "auto", n_ubatch: int | None = None, cache_type: str = "f16") -> None:
         weights._check_open()
         if n_seq_max < 1:
             raise ApplianceError("BAD_REQUEST", "n_seq_max must be at least 1", {"n_seq_max": n_seq_max})
@@ -357,6 +359,8 @@ class BatchedContext:
         if cache_type not in GGML_TYPES:
             raise ApplianceError("BAD_REQUEST", f"unknown KV cache type {cache_type!r}",
                                  {"cache_type": cache_type, "known": sorted(GGML_TYPES)})
+        mode = flash.mode_of(flash_attn)
+        flash.check_cache_type(mode, cache_type)
         self.weights = weights
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
@@ -372,25 +376,30 @@ class BatchedContext:
             params.n_threads_batch = n_threads
         if hasattr(params, "kv_unified"):
             params.kv_unified = True  # the sequences share one pool of n_ctx cells
-        # Off unless asked for, as in ``llama_cpp.Llama`` (today's engine). llama.cpp's default (auto) turns it on
-        # on the CPU, and there a decode of N rows rounds so differently from a decode of one that the tiny
-        # model's logits drifted from a solo run's to 3e-2 within 30 tokens and its greedy tokens parted; without
-        # it they stay within 5e-4.
-        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        # Flash attention (:mod:`appliance.engine.flash`): with it a decode of N rows rounds differently from a
+        # decode of one (the tiny model's logits differ from a solo run's by up to 1e-3, 5e-4 without it, and a
+        # near-tie greedy token may part); "off" keeps a sequence's text byte-equal to its solo run's.
+        params.flash_attn_type = flash.LLAMA_TYPES[mode]
         params.type_k = GGML_TYPES[cache_type]
         params.type_v = GGML_TYPES[cache_type]
         params.no_perf = True
-        ctx = llama_cpp.llama_init_from_model(weights.model, params)
+        with llamalog.llama_log_lines() as logged:
+            ctx = llama_cpp.llama_init_from_model(weights.model, params)
         if not ctx:
             raise ApplianceError("OOM", "llama.cpp could not create the context",
                                  {"n_ctx": n_ctx, "n_seq_max": n_seq_max, "n_batch": n_batch})
+        try:
+            chosen = flash.resolved(mode, logged)
+        except ApplianceError:
+            llama_cpp.llama_free(ctx)
+            raise
         self.ctx: llama_cpp.llama_context_p | None = ctx
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
         self.n_ubatch = int(llama_cpp.llama_n_ubatch(ctx))
         self.cache_type = cache_type
-        self.flash_attn = flash_attn
+        self.flash_mode = mode
+        self.flash_attn = chosen  # what llama.cpp chose: True = flash attention runs
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._seqs: dict[int, _Sequence] = {}  # generating, in join order
         self._resting: dict[int, int] = {}  # seq id -> cells, for sequences between two generations

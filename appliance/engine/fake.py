@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.engine import flash
 from appliance.engine.adaptive import FIXED, Tuning
+from appliance.engine.flash import FlashMode
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -45,6 +47,7 @@ from appliance.engine.interface import (
     TokenLogprob,
     TokenLogprobs,
 )
+from appliance.engine.loopfuture import loop_future
 from appliance.engine.sampling import check_grammar, check_sampling
 from appliance.engine.schedule import SeqEvent
 from appliance.engine.slots import ColdNeeded, Request, RequestRunner, SlotRuntime, Slots
@@ -330,9 +333,10 @@ class FakeRuntime(SlotRuntime):
     longest_piece = LONGEST_PIECE
 
     def __init__(self, engine: FakeEngine, path: Path, *, n_ctx: int, live_slots: int = 1,
-                 tuning: Tuning | None = None) -> None:
+                 tuning: Tuning | None = None, flash_attention: FlashMode | bool = "auto") -> None:
         self.engine = engine
         self.path = path
+        self.flash_mode = flash.mode_of(flash_attention)
         self.n_ctx = n_ctx
         self.live_slots = live_slots
         self.tuning = tuning or Tuning(n_ctx, FIXED, engine.n_threads)
@@ -350,6 +354,11 @@ class FakeRuntime(SlotRuntime):
     def _free(self, context: FakeContext) -> None:  # type: ignore[override]
         context.running.clear()
         context.kv.clear()
+
+    @property
+    def flash_attention(self) -> bool | None:
+        """The fake device runs flash attention wherever it is not ``off``; None without a live context."""
+        return None if self.context is None else self.flash_mode != "off"
 
     @property
     def saves(self) -> int:
@@ -494,7 +503,7 @@ class FakeEngine:
     def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> asyncio.Future[Any]:
         if self.closed:
             raise RuntimeError("the fake engine is closed")
-        return asyncio.wrap_future(self._worker.submit(fn, queue=queue))
+        return loop_future(self._worker.submit(fn, queue=queue))
 
     async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
         return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
@@ -513,7 +522,8 @@ class FakeEngine:
         self.checks.append(path)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> FakeRuntime:
+             flash_attention: FlashMode | bool = "auto", cache_type: str = "f16",
+             tuning: Tuning | None = None) -> FakeRuntime:
         self.loads.append(path)
         self.load_gate.wait()
         for key in (str(path), path.name, path.stem):
@@ -521,7 +531,8 @@ class FakeEngine:
                 error = self._failures[key]
                 raise error if error is not None else ApplianceError(
                     "MODEL_LOAD_FAILED", f"cannot load {path.name}: fake failure", {"path": str(path)})
-        runtime = FakeRuntime(self, path, n_ctx=n_ctx, live_slots=live_slots, tuning=tuning)
+        runtime = FakeRuntime(self, path, n_ctx=n_ctx, live_slots=live_slots, tuning=tuning,
+                              flash_attention=flash_attention)
         self.runtimes.append(runtime)
         return runtime
 
@@ -594,7 +605,8 @@ class GatedEngine:
         self.inner.check(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> GatedRuntime:
+             flash_attention: FlashMode | bool = "auto", cache_type: str = "f16",
+             tuning: Tuning | None = None) -> GatedRuntime:
         return GatedRuntime(self.inner.load(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, live_slots=live_slots,
                                             flash_attention=flash_attention, cache_type=cache_type, tuning=tuning),
                             self)

@@ -24,8 +24,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES
-
 from appliance.errors import ApplianceError
 
 GGUF_MAGIC = b"GGUF"
@@ -72,6 +70,17 @@ CACHE_TYPE_BYTES: Mapping[str, Fraction] = {
     "q5_1": Fraction(24, 32),
 }
 """Bytes per cached element for each llama.cpp KV cache type (block size / block bytes for quantised ones)."""
+
+GGML_BLOCK_SIZES: Mapping[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+    34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18),
+}
+"""(elements per block, bytes per block) of each ggml tensor type, by type number: gguf-py's ``GGML_QUANT_SIZES``
+(a test checks they are equal), kept here because importing the ``gguf`` package costs a serving process about
+2.5 MiB of memory for this one table."""
 
 # GGUF value types: fixed-size scalars (struct format) and the two variable-size ones.
 _SCALARS: Mapping[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -343,7 +352,7 @@ class _Skim:
         dims = tuple(self.scalar("<Q", f"the shape of tensor {name}") for _ in range(n_dims))
         ggml_type = self.scalar("<I", f"the type of tensor {name}")
         offset = self.scalar("<Q", f"the offset of tensor {name}")
-        block = GGML_QUANT_SIZES.get(ggml_type)
+        block = GGML_BLOCK_SIZES.get(ggml_type)
         if block is None:
             raise self.refuse(f"tensor {name} has unknown type {ggml_type}", rule="tensor_type", found=ggml_type)
         elements = math.prod(dims)

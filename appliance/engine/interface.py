@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from appliance.engine.adaptive import Tuning
+from appliance.engine.flash import FlashMode
 from appliance.errors import ApplianceError
 
 Where = Literal["empty", "device", "host", "disk"]
@@ -214,6 +215,11 @@ class RuntimeProtocol(Protocol):
         ...
 
     @property
+    def flash_attention(self) -> bool | None:
+        """Whether its live context runs flash attention (llama.cpp's choice under ``auto``); None without one."""
+        ...
+
+    @property
     def pool_cells(self) -> int:
         """The live context's KV cells (0 without one)."""
         ...
@@ -339,9 +345,11 @@ class EngineProtocol(Protocol):
         ...
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> RuntimeProtocol:
+             flash_attention: FlashMode | bool = "auto", cache_type: str = "f16",
+             tuning: Tuning | None = None) -> RuntimeProtocol:
         """Load a model with its live context (built with ``tuning``; None: the fixed strategy) on the calling
-        thread (use through :meth:`call`); raises ``MODEL_LOAD_FAILED``."""
+        thread (use through :meth:`call`); raises ``MODEL_LOAD_FAILED``. ``flash_attention``: ``auto``, ``on`` or
+        ``off`` (:mod:`appliance.engine.flash`; a boolean is ``on`` / ``off``)."""
         ...
 
     def close(self) -> None:

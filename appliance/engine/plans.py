@@ -28,15 +28,16 @@ n_ubatch 512             53     138     451    1296    2837    62.5 MiB  72 MiB 
   128 / 64 / 32, for the newcomer's first token at 705 / 719 / 788 ms instead of 692 (``batched`` module). A larger
   limit saves the newcomer about 2 % and doubles every running stream's stall, so every plan keeps 64, today's
   figure.
-* Flash attention is NOT part of a plan. It shrinks the compute buffer (20.4 MiB at ``n_ubatch`` 512 instead of
-  62.5) and on an idle box gave +39 % decode tokens/s with 4 sequences (``benchmarks/concurrency.py``), but it
-  changes a sequence's text against its solo run (SPEC L9), so it stays the operator's choice
-  (``engine.flash_attention``). On this loaded run it measured slower (1500-token TTFT 9.9 s against 2.8 s; decode
-  beside 1500 cells 29 against 162 tokens/s): noise-dominated, not a basis for switching it either way.
+* Flash attention is NOT part of a plan: it is ``engine.flash_attention`` (default ``auto``: on wherever llama.cpp
+  can run it, :mod:`appliance.engine.flash`), the same for every plan. It shrinks the compute buffer (20.4 MiB at
+  ``n_ubatch`` 512 instead of 62.5) and on an idle box gave +39 % decode tokens/s with 4 sequences
+  (``benchmarks/concurrency.py``); ``false`` keeps a sequence's text byte-equal to its solo run. On this loaded
+  run it measured slower (1500-token TTFT 9.9 s against 2.8 s; decode beside 1500 cells 29 against 162
+  tokens/s): noise-dominated (``benchmarks/flash_attention.py`` measures it side by side).
 * The KV cache type is NOT part of a plan either: it is the model's ``cache_type`` setting. q8_0 halves the KV
   cache (38.25 MiB against 72 for 2048 cells) but llama.cpp refuses a quantized V cache without flash attention
   ("llama_init_from_model: quantized V cache requires flash_attn to be enabled": the context is not created), so
-  it is only open to an operator who turned flash attention on.
+  it is refused with ``engine.flash_attention: false`` (``auto`` turns flash attention on for it).
 
 So: S = ``n_ubatch`` 128 (short prompts lose nothing, compute buffer 15.6 MiB instead of 62.5), M = 256 (prompts up
 to 512 tokens in two micro-batches at most, 31 MiB), L = 512 (today's engine: a long prompt in the fewest graphs;

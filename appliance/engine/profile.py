@@ -1,9 +1,9 @@
 """The load profile: a sliding window of sampled requests and the percentiles of each figure (SPEC E1). Pure.
 
 The engine reports every finished request to :meth:`LoadProfile.observe` as a :class:`RequestSample`. The profile
-counts them all and keeps every ``sample_rate``-th one (the ``sample_rate``-th, ``2 * sample_rate``-th, ... since
-the profile was made) in a window of the last ``window_size`` kept samples; an older sample drops out of the
-window when a new one comes in. The policies of :mod:`appliance.engine.tuning` read the window's percentiles.
+counts them all and keeps one in ``sample_rate`` of them, picked at random (:meth:`LoadProfile.observe`), in a
+window of the last ``window_size`` kept samples; an older sample drops out of the window when a new one comes in.
+The policies of :mod:`appliance.engine.tuning` read the window's percentiles.
 
 **Percentiles** are *nearest-rank* percentiles: the P-th percentile of ``n`` values is the value of rank
 ``ceil(P / 100 * n)`` (1-based) in the values sorted ascending. It is always one of the observed values (an ``int``
@@ -13,10 +13,13 @@ field gives an ``int``); P50 of an even count is the lower of the two middle val
 
 from __future__ import annotations
 
+import random
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 Figure = int | float
+SAMPLING_SEED = 0
+"""The seed of a profile's own sampling RNG when none is given: a daemon's picks are the same run after run."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class RequestSample:
     queue_length: int
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
+        for name in FIELDS:
+            value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must be at least 0, got {value}")
 
@@ -74,23 +78,31 @@ def percentiles_of(values: list[Figure]) -> Percentiles:
 
 
 class LoadProfile:
-    """A sliding window of the last ``window_size`` sampled requests, one kept out of every ``sample_rate``."""
+    """A sliding window of the last ``window_size`` sampled requests, one kept in ``sample_rate`` on average, picked
+    by ``rng`` (default: a :class:`random.Random` seeded with :data:`SAMPLING_SEED`; a test injects its own)."""
 
-    def __init__(self, window_size: int, sample_rate: int) -> None:
+    def __init__(self, window_size: int, sample_rate: int, rng: random.Random | None = None) -> None:
         if window_size < 1:
             raise ValueError(f"window_size must be at least 1, got {window_size}")
         if sample_rate < 1:
             raise ValueError(f"sample_rate must be at least 1, got {sample_rate}")
         self.window_size = window_size
         self.sample_rate = sample_rate
+        self.rng = rng if rng is not None else random.Random(SAMPLING_SEED)
         self.observed = 0
         self.sampled = 0
         self._window: deque[RequestSample] = deque(maxlen=window_size)
 
     def observe(self, sample: RequestSample) -> bool:
-        """Count ``sample``'s request; keep it in the window if it is a ``sample_rate``-th one (then True)."""
+        """Count ``sample``'s request; keep it in the window with a chance of 1 in ``sample_rate`` (then True).
+
+        The pick is random, not every ``sample_rate``-th request: agents' requests come in waves (N agents send
+        together, the short ones end first, in the same order every round), and a fixed stride equal to, or
+        dividing, the wave's length keeps the same place in every wave, so the window would only ever see (say) the
+        smallest request of each wave. Sampling every request while the window is young would only delay that
+        until it is full. An independent draw per request has no period to align with."""
         self.observed += 1
-        if self.observed % self.sample_rate != 0:
+        if self.sample_rate > 1 and self.rng.randrange(self.sample_rate) != 0:
             return False
         self.sampled += 1
         self._window.append(sample)

@@ -21,11 +21,12 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from appliance.engine import gpubuild, modelcheck, plans
+from appliance.engine import flash, gpubuild, modelcheck, plans
 from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.embedding import Embeddings, check_dimensions, context_size
 from appliance.engine.embedding_context import EmbeddingContext
+from appliance.engine.flash import FlashMode
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
     Conversation,
@@ -35,6 +36,7 @@ from appliance.engine.interface import (  # re-exported: importers of these from
     Token,
     Where,
 )
+from appliance.engine.loopfuture import loop_future
 from appliance.engine.slots import Request, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
@@ -70,12 +72,12 @@ class Runtime(SlotRuntime):
     one the fixed strategy: the configured ``n_ctx`` as the pool, the fixed plan, ``n_threads``."""
 
     def __init__(self, path: Path, *, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
-                 live_slots: int = 1, flash_attention: bool = False, cache_type: str = "f16",
+                 live_slots: int = 1, flash_attention: FlashMode | bool = "auto", cache_type: str = "f16",
                  tuning: Tuning | None = None) -> None:
         self.path = path
+        self.flash_mode = flash.mode_of(flash_attention)
         self.weights = ModelWeights(path, n_gpu_layers=n_gpu_layers)
         self.live_slots = live_slots
-        self.flash_attention = flash_attention
         self.cache_type = cache_type
         self.n_ctx = n_ctx  # one conversation's bound: the configured n_ctx, whatever the pool's size
         self.tuning = tuning or Tuning(n_ctx, FIXED, n_threads or 1)
@@ -95,7 +97,7 @@ class Runtime(SlotRuntime):
         chosen = plans.fixed_plan(self.n_ctx, n_seq_max) if plan == FIXED else plans.plan_for(plan, n_ctx, n_seq_max)
         return BatchedContext(self.weights, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=chosen.n_batch,
                               n_ubatch=chosen.n_ubatch, n_threads=threads, prefill_limit=chosen.prefill_limit,
-                              flash_attn=self.flash_attention, cache_type=self.cache_type)
+                              flash_attn=self.flash_mode, cache_type=self.cache_type)
 
     def _free(self, context: BatchedContext) -> None:  # type: ignore[override]
         context.close()
@@ -108,6 +110,12 @@ class Runtime(SlotRuntime):
         if context is None:
             raise ApplianceError("INTERNAL", f"model {self.path.name} has no live context")
         return plans.Plan(self.tuning.plan, context.n_batch, context.n_ubatch, context.prefill_limit)
+
+    @property
+    def flash_attention(self) -> bool | None:
+        """Whether the live context runs flash attention (llama.cpp's choice under ``auto``); None without one."""
+        context = self.context
+        return None if context is None else context.flash_attn
 
     # -- conversations ---------------------------------------------------------------------------------
     def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
@@ -179,7 +187,7 @@ class Engine:
     def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> asyncio.Future[Any]:
         """Queue ``fn`` on the engine thread behind the other jobs of ``queue`` (keys take turns, see
         :class:`~appliance.engine.worker.FairWorker`); the future is the loop's, no task wraps it."""
-        return asyncio.wrap_future(self._worker.submit(fn, queue=queue))
+        return loop_future(self._worker.submit(fn, queue=queue))
 
     async def call(self, fn: Callable[..., Any], *args: Any, queue: Hashable = DEFAULT_QUEUE, **kwargs: Any) -> Any:
         return await self.submit(functools.partial(fn, *args, **kwargs), queue=queue)
@@ -198,7 +206,8 @@ class Engine:
         modelcheck.check_model(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
 
     def load(self, path: Path, *, n_ctx: int, n_gpu_layers: int, live_slots: int = 1,
-             flash_attention: bool = False, cache_type: str = "f16", tuning: Tuning | None = None) -> Runtime:
+             flash_attention: FlashMode | bool = "auto", cache_type: str = "f16",
+             tuning: Tuning | None = None) -> Runtime:
         """Load on the calling thread (use through :meth:`call`), with its live context open (built with
         ``tuning``; without one the fixed strategy)."""
         return Runtime(path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=self.n_threads,

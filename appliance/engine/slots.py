@@ -170,6 +170,7 @@ class Slots:
         self._parked: list[Conversation] = []  # conversations parked here (a prefix may be borrowed from them)
         self.saves = 0
         self.restores = 0
+        self.refused_need = 0  # the cells the last request :meth:`begin` refused needed (the queue's pool demand)
 
     # -- reading ---------------------------------------------------------------------------------------
     @property
@@ -232,6 +233,7 @@ class Slots:
         request.live_sequences = len(self.requests) + 1
         seq_id = self._seat(conv, need, request.evicted, before_park)
         if seq_id is None:
+            self.refused_need = need
             return None
         if not self.holds(conv):
             request.restored = self._place(conv, seq_id)
@@ -503,8 +505,13 @@ class Slots:
         return request
 
     def cancel_all(self, error: BaseException) -> list[Request]:
-        """End every request in flight with ``error`` (the context is going away)."""
-        return [self._end(seq_id, "cancelled", error=error) for seq_id in list(self.requests)]
+        """End every request in flight with ``error`` (the context is going away); one that was cancelled already
+        (its step had not reaped it yet) ends cancelled, as its step would have ended it."""
+        ended = []
+        for seq_id, request in list(self.requests.items()):
+            reaped = request.cancelled is not None and request.cancelled()
+            ended.append(self._end(seq_id, "cancelled", error=None if reaped else error))
+        return ended
 
     # -- conversations ---------------------------------------------------------------------------------
     def detach(self, conv: Conversation) -> None:
@@ -595,6 +602,7 @@ class SlotRuntime(RequestRunner):
     live_slots: int
     cold: Slots | None = None
     _next: tuple[SequenceContext, Tuning] | None = None
+    _rebuilding = False
 
     def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> SequenceContext:
         raise NotImplementedError
@@ -613,7 +621,9 @@ class SlotRuntime(RequestRunner):
 
     @property
     def has_context(self) -> bool:
-        return self.context is not None
+        """Whether the live context exists, or is being rebuilt (:meth:`rebuild`, on the engine thread): the event
+        loop, reading this meanwhile, must not claim a context (and its ledger key) that the rebuild holds."""
+        return self.context is not None or self._rebuilding
 
     @property
     def pool_cells(self) -> int:
@@ -690,6 +700,25 @@ class SlotRuntime(RequestRunner):
             return None
         self.prepare(tuning)
         return self.switch()
+
+    def rebuild(self, tuning: Tuning) -> list[Conversation] | None:
+        """Replace the live context with one for ``tuning`` without the two ever existing at once: every live
+        conversation is parked in host RAM and the live context freed before the new one is built (a prepared one
+        too). Returns the parked conversations; None (nothing changes) while a request is in flight in it."""
+        if self.context is None or self.slots.busy:
+            return None
+        self._rebuilding = True  # has_context stays true for the loop meanwhile: its ledger key is being replaced
+        try:
+            self._drop_next()
+            parked = self.slots.park_all()
+            self._free(self.context)
+            self.context = None
+            self.slots.context = None  # type: ignore[assignment]
+            self.tuning = tuning
+            self.open_context()
+        finally:
+            self._rebuilding = False
+        return parked
 
     def set_threads(self, n_threads: int) -> None:
         """Decode with ``n_threads`` from the next step on, in every context of the model."""

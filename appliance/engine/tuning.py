@@ -6,6 +6,9 @@ so a workload sitting on a boundary does not flap between two values:
 
 * **Hot pool (E2).** :func:`hot_pool_cells` is the size the figures ask for; :func:`resize_pool` grows the pool
   to it at once but shrinks only when the wanted size is at least ``shrink_margin`` below the current one.
+  :func:`queue_pool_cells` is the size asked for when admission is blocked on cells (the requests in flight and
+  those waiting need more than the pool); :func:`builds_beside` says whether the next context may be built beside
+  the live one or only after the live one is freed.
 * **Plan (E3).** :func:`choose_plan`: S below the first boundary, M between, L above the second (P90 input
   tokens). Away from the current plan each boundary moves by ``margin`` times itself: leaving a plan needs the
   value past the boundary by that much.
@@ -87,6 +90,33 @@ def resize_pool(current: int, wanted: int, shrink_margin: float = 0.25) -> int:
     if current - wanted >= round(shrink_margin * current, 6):
         return wanted
     return current
+
+
+def queue_pool_cells(demand: int, current: int, slack: float, *, granularity: int = 256, maximum: int) -> int | None:
+    """The hot pool to grow to now when admission is blocked on cells: ``demand`` is what the requests in flight and
+    those waiting for cells need together. That demand times ``slack``, rounded up to ``granularity``, at most
+    ``maximum``; None when it is not larger than ``current`` (the pool already holds it, or is at its cap)."""
+    if demand < 0:
+        raise ValueError(f"demand must be at least 0, got {demand}")
+    if current < 1:
+        raise ValueError(f"current must be at least 1, got {current}")
+    if slack < 1.0:
+        raise ValueError(f"slack must be at least 1.0, got {slack}")
+    if granularity < 1 or maximum < 1:
+        raise ValueError(f"granularity and maximum must be at least 1, got {granularity} and {maximum}")
+    wanted = min(round_up(math.ceil(round(demand * slack, 6)), granularity), maximum)
+    if wanted <= current:
+        return None
+    return wanted
+
+
+def builds_beside(current: int, wanted: int, n_ctx: int) -> bool:
+    """Whether a context of ``wanted`` cells may be built beside the live one of ``current`` cells: both together
+    hold at most ``n_ctx`` cells (what the fixed strategy preallocates). Otherwise the live conversations are parked
+    and the live context freed first, so that two contexts never hold more than the fixed strategy's one."""
+    if min(current, wanted, n_ctx) < 1:
+        raise ValueError(f"current, wanted and n_ctx must be at least 1, got {current}, {wanted}, {n_ctx}")
+    return current + wanted <= n_ctx
 
 
 def band(value: float, low: float, high: float) -> int:

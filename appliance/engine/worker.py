@@ -7,7 +7,9 @@ jobs another key queued. Within a key, jobs run in the order submitted.
 
 Jobs are :class:`concurrent.futures.Future` based (no asyncio here): :meth:`FairWorker.submit` returns the job's
 future; cancelling it before the job starts skips the job, a job already running is never interrupted. The engine
-wraps the future for the event loop (``asyncio.wrap_future``).
+wraps the future for the event loop (:func:`~appliance.engine.loopfuture.loop_future`). Each job runs in a wake-up
+batch (:func:`appliance.engine.wakeups.batch`): whatever it hands to the event loop, its result included, wakes
+the loop once, when it ends.
 """
 
 from __future__ import annotations
@@ -18,10 +20,20 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from appliance.engine import wakeups
+
 DEFAULT_QUEUE = "engine"
 """The key of jobs submitted without one (loads, unloads, housekeeping)."""
 
 Job = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"]
+
+_serving = threading.local()  # .worker: the FairWorker whose thread this is
+
+
+def jobs_waiting() -> int | None:
+    """On a worker's thread (inside a job): the jobs queued behind the running one; None on any other thread."""
+    worker: FairWorker | None = getattr(_serving, "worker", None)
+    return None if worker is None else worker.queued
 
 
 class FairWorker:
@@ -77,6 +89,7 @@ class FairWorker:
             return job
 
     def _serve(self) -> None:
+        _serving.worker = self
         if self._on_start is not None:
             self._on_start()
         while True:
@@ -86,12 +99,13 @@ class FairWorker:
             fn, future = job
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
-            try:
-                result = fn()
-            except BaseException as exc:  # delivered to the submitter, never kills the worker
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            with wakeups.batch():  # what the job hands to the loop, its result last, in one wake-up
+                try:
+                    result = fn()
+                except BaseException as exc:  # delivered to the submitter, never kills the worker
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
             del job, fn, future  # drop references before waiting for the next job
 
     def close(self) -> None:

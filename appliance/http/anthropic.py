@@ -26,6 +26,7 @@ from appliance.engine import reasoning, toolcalls
 from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import anthropic_schema as schema
+from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
     END,
     PING,
@@ -133,7 +134,7 @@ async def messages(request: Request) -> Response:
     max_tokens = run.max_tokens()
     if run.pump is None:
         await run.watch(request, run.task)
-        return JSONResponse(answer(outcome(run.task), ident, options, plan, display, max_tokens))
+        return JSONReply(answer(outcome(run.task), ident, options, plan, display, max_tokens))
     first = await first_batch(request, run)
     return StreamingResponse(events(run, first, ident, options, plan, display, max_tokens),
                              media_type="text/event-stream",

@@ -43,6 +43,7 @@ from appliance.http.openai_schema import (
     number,
     text_field,
 )
+from appliance.protocol import jsoncodec
 from appliance.protocol.identifiers import agent_id_problem
 from appliance.protocol.messages import MAX_CHAT_MESSAGES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
 
@@ -510,7 +511,7 @@ def message(ident: str, model: str, content: list[dict[str, Any]], reason: str |
 
 def event(name: str, data: dict[str, Any]) -> bytes:
     """One server-sent event: ``event: <name>``, ``data: <json>`` and a blank line."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    return f"event: {name}\ndata: ".encode() + jsoncodec.dumps(data) + b"\n\n"
 
 
 PING = event("ping", {"type": "ping"})

@@ -26,6 +26,7 @@ from uvicorn.server import ServerState
 
 from appliance.daemon.durable import RESTORED_FROM
 from appliance.errors import ApplianceError, StartupError
+from appliance.http.affinity import AffinityHeaders, appliance_instance
 from appliance.http.assets import web_dir
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
 from appliance.http.openai_schema import MAX_BODY_BYTES
@@ -83,6 +84,7 @@ def health_document(appliance: Appliance) -> dict:
             "parked_agents": parked[:paging.HEALTH_PARKED_AGENTS],  # the first ones: STATUS agents pages them all
             "parked_agents_total": len(parked),
             "socket": str(appliance.config.socket.path),
+            "instance": appliance_instance(appliance),  # also its x-appliance-instance header (a fleet's router)
             "version": appliance.version}
 
 
@@ -140,7 +142,7 @@ def create_app(appliance: Appliance) -> Starlette:
     routes = [Route("/v1/health", health), Route("/health", health),  # /health: the alias probes expect
               *openai.routes, *anthropic.routes, *embedding_routes, *response_routes,
               *metrics.routes, *admin.routes, Mount("/static", StaticFiles(directory=web_dir()), name="static")]
-    middleware = [Middleware(Guard, appliance=appliance)]
+    middleware = [Middleware(Guard, appliance=appliance), Middleware(AffinityHeaders, appliance=appliance)]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     app.state.appliance = appliance
     app.state.login_throttle = LoginThrottle(time.monotonic)  # wrong admin logins, for this app's lifetime

@@ -35,7 +35,7 @@ ALLOWED_HEADERS = frozenset({
 """Request headers a cross-origin page may send (the browser asks for them in its preflight)."""
 ALLOWED_HEADER_FAMILY = re.compile(r"x-stainless-[a-z0-9-]{1,64}", re.ASCII)
 """The header family the official OpenAI and Anthropic JavaScript clients send (``x-stainless-os`` …)."""
-EXPOSED_HEADERS = ("retry-after",)
+EXPOSED_HEADERS = ("retry-after", "x-appliance-instance", "x-appliance-agent")
 """Response headers a cross-origin page may read besides the CORS-safelisted ones."""
 MAX_AGE_S = 600
 """How long a browser may cache a preflight's answer."""

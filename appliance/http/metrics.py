@@ -11,7 +11,9 @@ one, so several appliances in one process do not clash), kept per daemon so that
   ``daemon.requests`` (one :class:`~appliance.daemon.requestlog.RequestRecord` per generation, every surface).
 
 Also the gauges of the Kubernetes Gateway API Inference Extension's model-server protocol (requests waiting,
-requests running, KV-cache utilization as a 0-1 fraction), so that its endpoint picker can route to appliances.
+requests running, KV-cache utilization as a 0-1 fraction), so that its endpoint picker can route to appliances:
+under vLLM's names (its defaults), one series per configured model labelled ``model_name``, and under the
+appliance's own names, the box's totals.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -31,6 +34,7 @@ from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
 from appliance.daemon.durable import RESTORED_FROM
+from appliance.daemon.model import Model
 from appliance.daemon.requestlog import RequestRecord
 
 if TYPE_CHECKING:
@@ -67,24 +71,66 @@ GIE_WAITING = "appliance_requests_waiting"
 GIE_RUNNING = "appliance_requests_running"
 GIE_KV_USAGE = "appliance_kv_cache_usage_ratio"
 """The three model-server-protocol gauges, by their names here (docs/metrics.md: the endpoint picker's flags)."""
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+"""The same three gauges under vLLM's names, the endpoint picker's defaults: one series per configured model,
+labelled :data:`VLLM_MODEL_LABEL` as vLLM labels them, with that model's figures."""
+VLLM_MODEL_LABEL = "model_name"
 
 
-def kv_cache_usage(daemon: Daemon) -> float:
-    """KV cells in use over the cells of every live context: a 0-1 fraction, 0 when none is live. A context holds
-    its live conversations' evaluated tokens; parked agents' KV is in host RAM, not in a context, so it does not
-    count."""
-    used = 0
-    total = 0
-    for model in list(daemon.models.values()):
-        runtime = model.runtime
-        if runtime is None or not runtime.has_context:
-            continue
-        total += runtime.n_ctx
-        for conv in runtime.live:
-            used += conv.n_evaluated
+def kv_cells(model: Model) -> tuple[int, int]:
+    """The KV cells ``model``'s live context holds for its live conversations (their evaluated tokens) and its
+    cells in all (its hot pool); (0, 0) without a live context. Parked agents' KV is in host RAM, not in a context,
+    so it does not count."""
+    runtime = model.runtime
+    if runtime is None or not runtime.has_context:
+        return 0, 0
+    used = sum(conv.n_evaluated for conv in runtime.live)
+    return used, runtime.pool_cells or runtime.n_ctx
+
+
+def usage_ratio(used: int, total: int) -> float:
+    """``used`` over ``total`` cells as a 0-1 fraction; 0 with no cells."""
     if total <= 0:
         return 0.0
     return min(1.0, used / total)
+
+
+def kv_cache_usage(daemon: Daemon) -> float:
+    """KV cells in use over the cells of every live context: a 0-1 fraction, 0 when none is live."""
+    used = 0
+    total = 0
+    for model in list(daemon.models.values()):
+        model_used, model_total = kv_cells(model)
+        used += model_used
+        total += model_total
+    return usage_ratio(used, total)
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's model-server-protocol figures: its requests waiting (accepted, not decoding yet: waiting for its
+    load, a free sequence or the engine thread), its requests decoding now, and its KV-cache usage (0-1)."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+
+
+def model_load(model: Model) -> ModelLoad:
+    """``model``'s :class:`ModelLoad` (:func:`kv_cells` for its KV usage)."""
+    running = max(0, model.decoding)
+    return ModelLoad(max(0, model.inflight - running), running, usage_ratio(*kv_cells(model)))
+
+
+def model_loads(daemon: Daemon) -> dict[str, ModelLoad]:
+    """Every configured model's :class:`ModelLoad`, by name (all zero for one not in memory)."""
+    loads = {}
+    for spec in daemon.config.models:
+        model = daemon.models.get(spec.name)
+        loads[spec.name] = ModelLoad(0, 0, 0.0) if model is None else model_load(model)
+    return loads
 
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -289,6 +335,22 @@ class DaemonCollector(Collector):
                     "TotalRunningRequests).", running)
         yield gauge(GIE_KV_USAGE, "KV cells in use over the cells of the loaded models' contexts, 0-1 "
                     "(inference-gateway KVCacheUtilization).", kv_cache_usage(daemon))
+        waiting_by_model = GaugeMetricFamily(VLLM_WAITING, "A model's generation requests accepted and not "
+                                             "decoding yet (vLLM's name: inference-gateway TotalQueuedRequests).",
+                                             labels=[VLLM_MODEL_LABEL])
+        running_by_model = GaugeMetricFamily(VLLM_RUNNING, "A model's generation requests decoding now (vLLM's "
+                                             "name: inference-gateway TotalRunningRequests).",
+                                             labels=[VLLM_MODEL_LABEL])
+        kv_by_model = GaugeMetricFamily(VLLM_KV_USAGE, "KV cells in use over the cells of a model's live context, "
+                                        "0-1 (vLLM's name: inference-gateway KVCacheUtilization).",
+                                        labels=[VLLM_MODEL_LABEL])
+        for name, load in model_loads(daemon).items():
+            waiting_by_model.add_metric([name], load.waiting)
+            running_by_model.add_metric([name], load.running)
+            kv_by_model.add_metric([name], load.kv_usage)
+        yield waiting_by_model
+        yield running_by_model
+        yield kv_by_model
 
     @staticmethod
     def traffic(appliance: Appliance, daemon: Daemon) -> Iterator[Metric]:

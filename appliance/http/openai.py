@@ -41,10 +41,10 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -59,7 +59,9 @@ from appliance.engine.interface import Generation, Grammar, Prompt, PromptText, 
 from appliance.engine.reply import ReplyEvent, ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
+from appliance.http.affinity import note_run
 from appliance.http.errors import error_body
+from appliance.http.jsonreply import JSONReply
 from appliance.protocol.identifiers import user_agent_id
 from appliance.server.outcome import error_of, generate
 from appliance.server.pump import TokenPump
@@ -256,6 +258,7 @@ class Run:
                                   heartbeat_interval_s=self._heartbeat_interval_s)
         self.task: asyncio.Task[Done] = asyncio.create_task(self._run())
         self.task.add_done_callback(self._ended)
+        note_run(request, self)  # its agent goes into the reply's headers (appliance.http.affinity)
 
     def agent_name(self, request: Request) -> str | None:
         """The agent this request runs in: its ``X-Agent-Id`` header, else its ``user``, else none (stateless)."""
@@ -544,7 +547,7 @@ async def respond(request: Request, run: Run, shape: Shape, plain: Any) -> Respo
     answer ``plain(done)``. An error before the stream starts is its P4 response with its status."""
     if run.pump is None:
         await run.watch(request, run.task)
-        return JSONResponse(plain(outcome(run.task)))
+        return JSONReply(plain(outcome(run.task)))
     first = await first_batch(request, run)
     return StreamingResponse(events(run, first, shape), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -579,9 +582,20 @@ async def get_model(request: Request) -> JSONResponse:
                          {"model": name, "known": [known for known, _, _ in models]})
 
 
+Checked = TypeVar("Checked")
+
+
+async def checked(check: Callable[[dict[str, Any]], Checked], body: dict[str, Any]) -> Checked:
+    """``check(body)``: off the event loop when it may build a grammar (:func:`schema.builds_grammar`), else on it
+    (a thread hop costs more than checking a plain body)."""
+    if schema.builds_grammar(body):
+        return await asyncio.to_thread(check, body)
+    return check(body)
+
+
 async def chat_completions(request: Request) -> Response:
     body = schema.parse_body(await read_body(request))
-    options = await asyncio.to_thread(schema.chat_request, body)  # off the loop: tools' schemas become grammars
+    options = await checked(schema.chat_request, body)
     daemon = daemon_of(request)
     model = daemon.resolve(options.model)
     plan = await asyncio.to_thread(chat_plan, model.path, options, model.spec.reasoning)
@@ -599,7 +613,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     body = schema.parse_body(await read_body(request))
-    options = await asyncio.to_thread(schema.completion_request, body)  # off the loop: a schema becomes a grammar
+    options = await checked(schema.completion_request, body)
     daemon = daemon_of(request)
     daemon.resolve(options.model)
     logprobs = options.logprobs is not None

@@ -23,6 +23,7 @@ from appliance.engine import structured, toolcalls
 from appliance.engine.chat import Message
 from appliance.engine.interface import Grammar, Sampling, StopReason, TokenLogprob, TokenLogprobs
 from appliance.errors import ApplianceError
+from appliance.protocol import jsoncodec
 from appliance.protocol.identifiers import AGENT_ID_RULE, MAX_AGENT_ID_CHARS, agent_id_problem
 from appliance.protocol.messages import MAX_CHAT_MESSAGES, MAX_ID_CHARS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
 
@@ -83,7 +84,7 @@ def json_depth(value: Any) -> int:
 def parse_body(body: bytes) -> dict[str, Any]:
     """A request body as a JSON object; ``BAD_REQUEST`` (``param: None``) for anything else."""
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+        value = jsoncodec.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise bad(None, "the request body is not valid UTF-8 JSON") from None
     if not isinstance(value, dict):
@@ -466,6 +467,12 @@ def options(body: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
             "presence_penalty": penalty(body, "presence_penalty"), "logit_bias": logit_bias(body.get("logit_bias"))}
 
 
+def builds_grammar(body: dict[str, Any]) -> bool:
+    """Whether checking ``body`` may build a grammar (it has a ``response_format`` or ``tools``): a JSON schema's
+    grammar can take long to build, so a route checks such a body off the event loop, and any other on it."""
+    return body.get("response_format") is not None or bool(body.get("tools"))
+
+
 def chat_request(body: dict[str, Any]) -> ChatRequest:
     """``POST /v1/chat/completions``'s body, checked."""
     common = options(body, CHAT_FIELDS)
@@ -611,5 +618,6 @@ def model_list(models: list[tuple[str, int, str]]) -> dict[str, Any]:
 
 def event(data: dict[str, Any] | str) -> bytes:
     """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``) and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+    if isinstance(data, str):
+        return f"data: {data}\n\n".encode()
+    return b"data: " + jsoncodec.dumps(data) + b"\n\n"

@@ -43,6 +43,7 @@ from appliance.errors import ApplianceError
 from appliance.http import openai_schema as chat_schema
 from appliance.http import responses_schema as schema
 from appliance.http.errors import error_body
+from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
     END,
     PING,
@@ -307,7 +308,7 @@ async def create_response(request: Request) -> Response:
             await remember(request, daemon, turn, run, document)
         finally:
             release_unstored(request, daemon, turn, run)
-        return JSONResponse(document)
+        return JSONReply(document)
     try:
         first = await first_batch(request, run)
     except BaseException:

@@ -33,6 +33,7 @@ from appliance.engine.interface import Grammar, StopReason
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as chat
 from appliance.http.openai_schema import bad
+from appliance.protocol import jsoncodec
 from appliance.protocol.messages import MAX_CHAT_MESSAGES, MAX_TOKENS_LIMIT
 
 MAX_INPUT_ITEMS = MAX_CHAT_MESSAGES
@@ -685,8 +686,7 @@ def error_event(body: dict[str, Any], sequence: int) -> dict[str, Any]:
 
 def event(payload: dict[str, Any]) -> bytes:
     """One server-sent event, named by its ``type``."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {payload['type']}\ndata: {data}\n\n".encode()
+    return f"event: {payload['type']}\ndata: ".encode() + jsoncodec.dumps(payload) + b"\n\n"
 
 
 def input_tokens(count: int) -> dict[str, Any]:

@@ -14,8 +14,10 @@
   request must carry it: ``Authorization: Bearer <token>`` (API clients, Prometheus), ``x-api-key: <token>``
   (Anthropic's clients), or the session cookie that
   ``POST /admin/login`` sets after the token was typed into the login form (a browser). Both are compared in
-  constant time; the token is never logged or echoed. Only the login form itself is reachable without it.
-  Otherwise: 401 ``UNAUTHORIZED`` (a browser's GET of an admin page is sent to the login form instead).
+  constant time; the token is never logged or echoed. Only the login form itself is reachable without it, and,
+  with ``http.scrape_without_token``, a GET of ``/metrics``, ``/v1/health`` or ``/health`` (for scrapers and
+  routers that cannot send a token). Otherwise: 401 ``UNAUTHORIZED`` (a browser's GET of an admin page is sent to
+  the login form instead).
 * **Cross-origin.** A state-changing request (POST, PUT, PATCH, DELETE) is refused with 403 ``FORBIDDEN`` when
   the browser marks it ``Sec-Fetch-Site: cross-site`` or its ``Origin`` is not ``http(s)://NAME:PORT`` with a
   NAME the allow-list above accepts and the PORT this server listens on (or, behind a reverse proxy, the port the
@@ -54,6 +56,10 @@ CSRF_HEADER = "x-csrf-token"
 API_KEY_HEADER = "x-api-key"
 LOGIN_PATH = "/admin/login"
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+SCRAPE_PATHS = frozenset({"/metrics", "/v1/health", "/health"})
+"""What ``http.scrape_without_token`` opens: the metrics page and the health document (``/health`` is the same
+document as ``/v1/health``, where probes look for it)."""
+SCRAPE_METHODS = frozenset({"GET", "HEAD"})
 MAX_SHOWN_CHARS = 64
 """A refused ``Host`` or ``Origin`` is echoed in the error's details cut to this many characters."""
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -255,9 +261,10 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
     if cors.is_preflight(request.method, request.headers):
         return None  # answered by the Guard (preflight_response): browsers send no credentials on one
     foreign = cross_origin(request, rule)
-    token = appliance.config.http.api_token
-    if token and path != LOGIN_PATH and not authorized(request, token, appliance.session_secret,
-                                                       cookie_counts=not foreign):
+    http = appliance.config.http
+    token = http.api_token
+    if token and path != LOGIN_PATH and not scrape_allowed(request.method, path, http.scrape_without_token) and \
+            not authorized(request, token, appliance.session_secret, cookie_counts=not foreign):
         return ApplianceError("UNAUTHORIZED", "this appliance requires its API token: send "
                                               "'Authorization: Bearer <http.api_token>' or 'x-api-key: "
                                               "<http.api_token>' (or log in at /admin/login)",
@@ -274,6 +281,12 @@ def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
             return ApplianceError("FORBIDDEN", "missing or wrong CSRF token (reload the admin page)",
                                   {"path": path, "header": "X-CSRF-Token"})
     return None
+
+
+def scrape_allowed(method: str, path: str, scrape_without_token: bool) -> bool:
+    """``http.scrape_without_token`` lets this request through without the API token: a GET (or HEAD) of a
+    :data:`SCRAPE_PATHS` path."""
+    return scrape_without_token and method in SCRAPE_METHODS and path in SCRAPE_PATHS
 
 
 def cors_rule(appliance: Appliance) -> cors.CorsRule:

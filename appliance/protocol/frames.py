@@ -63,14 +63,15 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from appliance.errors import ApplianceError
+from appliance.protocol import jsoncodec
 from appliance.protocol.events import CLOSED, NEED_DATA, Sentinel
 
 MAGIC = 0x4D474E54
@@ -212,10 +213,10 @@ class Frame:
     def to_bytes(self, *, max_frame_bytes: int | None = None) -> bytes:
         """The frame on the wire; ``FRAME_TOO_LARGE`` if the base64 payload exceeds ``max_frame_bytes``,
         ``BAD_PAYLOAD`` if it holds more than :data:`MAX_JSON_ITEMS` values (a peer would refuse it)."""
-        text = json.dumps(self.payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        if count_json_items(text) > MAX_JSON_ITEMS:  # a peer would refuse it
+        data = jsoncodec.dumps(self.payload)  # check_json passed: no NaN, so the standard library's meaning
+        if len(data) > MAX_JSON_ITEMS and count_json_items(data.decode("utf-8")) > MAX_JSON_ITEMS:  # a peer refuses
             raise _bad_json("", f"holds more than {MAX_JSON_ITEMS} JSON values", max_json_items=MAX_JSON_ITEMS)
-        body = base64.b64encode(text.encode("utf-8"))
+        body = base64.b64encode(data)
         limit = _MAX_LENGTH if max_frame_bytes is None else min(max_frame_bytes, _MAX_LENGTH)
         if len(body) > limit:
             raise LocalProtocolError(
@@ -335,7 +336,12 @@ class FrameParser:
         del self._buffer[:end]
         self.last_length = self._length
         self._length = None
-        payload = _decode_payload(body)
+        frame = _checked_frame(_decode_payload(body, jsoncodec.loads), self._version)
+        if frame is not None:
+            return frame
+        # Refused: decoded again by the standard library alone, so the error is the one its hooks find first (an
+        # integer of too many digits, which msgspec builds, before the range check that refused it).
+        payload = _decode_payload(body, jsoncodec.stdlib_loads)
         try:
             return Frame(payload, self._version)
         except LocalProtocolError as exc:  # valid JSON outside our strict subset (depth, range, surrogates)
@@ -439,8 +445,17 @@ def _b64decode(body: bytes | bytearray) -> bytes:
     return b"".join(pieces)
 
 
-def _decode_payload(body: bytes | bytearray) -> dict[str, Any]:
-    """base64 -> UTF-8 -> JSON object, or a recoverable ``BAD_PAYLOAD`` naming the failing step (and the limit)."""
+def _checked_frame(payload: dict[str, Any], version: int) -> Frame | None:
+    """The frame of a decoded ``payload``, or None when it is outside the strict subset :class:`Frame` checks."""
+    try:
+        return Frame(payload, version)
+    except LocalProtocolError:
+        return None
+
+
+def _decode_payload(body: bytes | bytearray, loads: Callable[..., Any]) -> dict[str, Any]:
+    """base64 -> UTF-8 -> JSON object (with ``loads``: :func:`jsoncodec.loads` or :func:`jsoncodec.stdlib_loads`),
+    or a recoverable ``BAD_PAYLOAD`` naming the failing step (and the limit)."""
     try:
         raw = _b64decode(body)
     except (binascii.Error, ValueError):
@@ -453,7 +468,7 @@ def _decode_payload(body: bytes | bytearray) -> dict[str, Any]:
         raise _remote_bad_payload("json", f"payload holds more than {MAX_JSON_ITEMS} JSON values",
                                   max_json_items=MAX_JSON_ITEMS)
     try:
-        payload = json.loads(text, parse_int=_parse_int)  # NaN/Infinity load as floats; Frame() refuses them
+        payload = loads(text, parse_int=_parse_int)  # NaN/Infinity load as floats; Frame() refuses them
     except _IntegerTooLong:
         raise _remote_bad_payload("json", f"integer of more than {MAX_JSON_INT_DIGITS} digits",
                                   max_int_digits=MAX_JSON_INT_DIGITS) from None

@@ -303,6 +303,25 @@ class MagnSession:
                          heartbeat=functools.partial(self._heartbeat, task_id),
                          heartbeat_interval_s=self._heartbeat_interval_s,
                          backlog=functools.partial(unread_bytes, self.writer), stall_timeout_s=self._stall_timeout_s)
+        replied = False
+
+        def reply(result: DecodeResult) -> None:
+            """The TASK_COMPLETE, written as soon as the daemon has the result (before its bookkeeping); a
+            generation that stopped as cancelled, or a completion that cannot be made, is left to the error path
+            below, which makes the same error again and sends it."""
+            nonlocal replied
+            if result.generation.stop_reason == "cancelled" or pump.stalled:
+                return
+            try:
+                end = completion(task_id, result, plan.fmt)
+            except Exception:
+                return
+            pump.finish()  # every token before the end: nothing can follow it
+            self.send(end)
+            replied = True
+            del self.tasks[task_id]  # answered: its slot and its task_id are free for the client's next request
+            self.clock.busy(bool(self.tasks))
+
         try:
             try:
                 plan = await self.plan(request)
@@ -311,13 +330,19 @@ class MagnSession:
                                             max_tokens=request.max_tokens, sampling=sampling_of(request, plan.grammar),
                                             session_id=request.session_id, model=request.model,
                                             on_token=pump.on_token if request.stream else None, cancel=task.cancel,
-                                            queue=("connection", id(self)))
-                end: m.Message = completion(task_id, result, plan.fmt)
+                                            queue=("connection", id(self)), on_result=reply)
+                end: m.Message | None = None if replied else completion(task_id, result, plan.fmt)
             except Exception as exc:
-                end = m.ErrorMessage.of(self.stall_error(exc) if pump.stalled else error_of(exc), task_id)
-            self.send(end)
+                error = self.stall_error(exc) if pump.stalled else error_of(exc)
+                end = None if replied else m.ErrorMessage.of(error, task_id)
+                if replied:  # nothing may follow its TASK_COMPLETE: what failed was bookkeeping after it
+                    log.warning("task %s failed after its TASK_COMPLETE was sent: %s %s", task_id, error.code,
+                                error.message)
+            if end is not None:
+                self.send(end)
         finally:
-            self.tasks.pop(task_id, None)
+            if self.tasks.get(task_id) is task:  # once answered, its task_id may already be a new task's
+                del self.tasks[task_id]
             self.clock.busy(bool(self.tasks))
             with contextlib.suppress(ConnectionError):
                 await self.flush()

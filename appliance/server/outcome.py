@@ -52,19 +52,24 @@ def error_of(exc: Exception) -> ApplianceError:
 async def generate(daemon: Daemon, *, surface: Surface, prompt: PromptText, max_tokens: int, sampling: Sampling,
                    session_id: str | None = None, model: str | None = None,
                    on_token: Callable[[Token], None] | None = None,
-                   cancel: threading.Event | None = None, queue: Hashable | None = None) -> DecodeResult:
+                   cancel: threading.Event | None = None, queue: Hashable | None = None,
+                   on_result: Callable[[DecodeResult], None] | None = None) -> DecodeResult:
     """Generate ``max_tokens`` at most after ``prompt``: in the agent session ``session_id`` if given, else
     stateless on ``model`` in the engine queue ``queue`` (the caller's connection, so that connections take turns).
     Raises :class:`ApplianceError`, including :func:`cancelled_error`'s. Every request, whatever its end, is one
-    record in ``daemon.requests`` (``surface``: who asked)."""
+    record in ``daemon.requests`` (``surface``: who asked). ``on_result`` gets the result as soon as it is known, on
+    the loop, before the bookkeeping (:meth:`~appliance.daemon.requests.Requests.complete`; an agent's turn once it
+    is committed): a surface that writes its reply there writes it before that bookkeeping and this record."""
     started = time.perf_counter()
     result: DecodeResult | None = None
     failure: ApplianceError | None = None
     try:
         if session_id is not None:
-            result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel)
+            result = await daemon.decode(session_id, max_tokens, prompt, sampling, on_token, cancel,
+                                         on_result=on_result)
         elif model is not None:
-            result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel, queue=queue)
+            result = await daemon.complete(model, max_tokens, prompt, sampling, on_token, cancel, queue=queue,
+                                           on_result=on_result)
         else:
             raise ApplianceError("BAD_REQUEST", "one of model or session_id is required")
         failure = cancelled_error(result.generation, closing=daemon.closing)

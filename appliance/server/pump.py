@@ -5,7 +5,8 @@ things, which :class:`TokenPump` does once:
 
 * batching: the engine thread calls :meth:`TokenPump.on_token` for each token; the tokens are queued and delivered on
   the event loop by one call of ``sink(tokens)`` for all that arrived since the last delivery (one write, not one per
-  token);
+  token); the deliveries of every stream that got a token in one engine step wake the loop once
+  (:mod:`appliance.engine.wakeups`);
 * heartbeats: when no token was delivered for the heartbeat interval, ``heartbeat()`` is called on the loop (the
   interval is read at each arming, so a reloaded config applies to running generations);
 * cancellation: when ``sink`` answers False (nobody listens any more: the writer is closing), the pump sets the
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from appliance.engine import wakeups
 from appliance.server.peer import STREAM_HIGH_WATER, STREAM_LOW_WATER
 
 if TYPE_CHECKING:
@@ -97,7 +99,7 @@ class TokenPump:
         if not self._scheduled:
             self._scheduled = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can receive it anyway
-                self.loop.call_soon_threadsafe(self._deliver)
+                wakeups.call_soon(self.loop, self._deliver)  # with the step's other tokens: one wake-up
         while not self._flowing.wait(FLOW_POLL_S):
             if self.cancel.is_set() or self._finished:
                 return

@@ -42,11 +42,15 @@ def line_request(path: Path, text: str, timeout: float = HUNG_S) -> str:
 
 
 def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
-    """Everything the daemon sends until it closes the connection (TimeoutError if it does not in time)."""
+    """Everything the daemon sends until it closes the connection (TimeoutError if it does not in time). A close
+    with bytes of ours still unread on its side reaches us as a reset once its reply has been read: closed too."""
     sock.settimeout(timeout)
     data = b""
     while True:
-        chunk = sock.recv(65536)
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data
         if not chunk:
             return data
         data += chunk

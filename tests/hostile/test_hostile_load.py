@@ -465,14 +465,14 @@ LEADER_TOKENS = 48
 FOLLOWER_TOKENS = 16
 
 
-@pytest.mark.hostile_config(max_tasks_per_connection=16, engine={"live_slots": 8})
+@pytest.mark.hostile_config(max_tasks_per_connection=16, engine={"live_slots": 8, "flash_attention": False})
 def test_identical_and_near_identical_prompts_batched_together_match_their_solo_runs(hostile):
-    """Flash attention is off (engine.flash_attention's default; with it a batched sequence may round differently,
-    docs/configuration.md): 8 greedy requests on demo-b, 4 with one prompt and 4 whose last word differs, decoded
-    together, each give exactly their solo output. The leader starts first; once its prompt is evaluated the 7
-    others arrive and borrow its cells (shared prefix, SPEC L10): prompt_evaluated is 1 for an identical prompt
-    (one token is always evaluated for its logits) and only the differing tail for a near-identical one, where each
-    solo run evaluated every prompt token."""
+    """Flash attention is off (not engine.flash_attention's default, auto: with it a batched sequence may round
+    differently, docs/configuration.md): 8 greedy requests on demo-b, 4 with one prompt and 4 whose last word
+    differs, decoded together, each give exactly their solo output. The leader starts first; once its prompt is
+    evaluated the 7 others arrive and borrow its cells (shared prefix, SPEC L10): prompt_evaluated is 1 for an
+    identical prompt (one token is always evaluated for its logits) and only the differing tail for a near-identical
+    one, where each solo run evaluated every prompt token."""
     prompts = [SHARED] * 4 + [SHARED + word for word in NEAR]
     peer = RawPeer(hostile.socket, timeout=HUNG_S)
     try:

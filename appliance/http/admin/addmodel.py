@@ -21,7 +21,6 @@ from appliance.config import schema
 from appliance.daemon import policy
 from appliance.errors import ApplianceError
 from appliance.http.admin import render
-from appliance.models.add import add_model
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
@@ -54,6 +53,8 @@ def file_field(appliance: Appliance, text: str) -> Path:
 
 
 async def add(request: Request) -> Response:
+    from appliance.models.add import add_model  # lazy: the config writer (ruamel.yaml) only when a model is added
+
     appliance: Appliance = request.app.state.appliance
     try:
         render.daemon_of(request)

@@ -26,21 +26,13 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from appliance.benchmark import quality
-from appliance.benchmark.apply import (
-    AdviceRefused,
-    AdviceRejected,
-    Applied,
-    ConfigNotWritable,
-    apply_changes,
-    pending_changes,
-    root_command,
-)
 from appliance.config.secrets import redact, values_of
 from appliance.errors import ApplianceError
 from appliance.http.admin import charts, figures, pickers, render
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
+    from appliance.benchmark.apply import Applied
     from appliance.benchmark.jobs import BenchmarkJob
 
 MAX_RESULTS = 200
@@ -457,6 +449,16 @@ def write_advice(config_path: Path, document: Mapping[str, Any], result_file: Pa
     ``CONFIG_INVALID`` for a change the config would refuse, ``FORBIDDEN`` when this process may not write the file
     (the message gives the command that applies ``result_file`` as root, then reloads through ``socket``) or it has
     other hard links, ``INTERNAL`` when the write fails; nothing is written in each case."""
+    # lazy: the config writer (ruamel.yaml) is needed only when advice is applied, not by a serving process
+    from appliance.benchmark.apply import (
+        AdviceRefused,
+        AdviceRejected,
+        ConfigNotWritable,
+        apply_changes,
+        pending_changes,
+        root_command,
+    )
+
     advice = document.get("advice")
     if not isinstance(advice, list):
         raise ApplianceError("BAD_REQUEST", "this result has no advice to apply", {"advice": None})

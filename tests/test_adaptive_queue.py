@@ -1,0 +1,123 @@
+"""The hot pool's demand sees the queue, in the daemon on the real tiny model: 8 clients at once (stateless turns of
+about 60 + 64 tokens, one connection each) in a 512-cell pool make it grow once, after which all 8 run live
+together; a request longer than the pool grows the pool in place instead of building a cold context beside it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.config.validate import parse_config
+from appliance.daemon.core import Daemon, context_key
+from appliance.daemon.devices import FakeDevice
+from appliance.engine.adaptive import INITIAL_POOL
+from appliance.engine.runtime import Engine
+
+N_CTX = 2048
+AGENTS = 8
+TOKENS = 64
+
+
+def config_for(tmp_path: Path, model: Path) -> object:
+    text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(model.parent)],
+            "engine": {"warmup_runs": 0, "live_slots": AGENTS, "threads": 1},
+            "models": [{"name": "m", "path": str(model), "n_ctx": N_CTX}]}
+    return parse_config(yaml.safe_dump(text), base_dir=tmp_path)
+
+
+def prompt(agent: int, turn: int) -> str:
+    return " ".join(f"agent{agent} turn{turn} word{n}" for n in range(15))  # about 60 tokens
+
+
+def test_eight_clients_run_live_together_after_one_growth(tmp_path: Path, tiny_model: Path) -> None:
+    async def scenario() -> None:
+        daemon = Daemon(config_for(tmp_path, tiny_model), FakeDevice(8 * 2**30), Engine(2))
+        try:
+            await daemon.complete("m", 1, "Hello")  # loaded
+            model = daemon.models["m"]
+            runtime = model.runtime
+            assert runtime is not None and runtime.pool_cells == INITIAL_POOL
+            live: list[int] = []
+
+            def on_token(token: object) -> None:  # engine thread: the requests decoding together now
+                live.append(len(runtime.slots.requests))
+
+            async def burst(turn: int) -> list[int]:
+                live.clear()
+                results = await asyncio.gather(*(daemon.complete("m", TOKENS, prompt(agent, turn), on_token=on_token,
+                                                                  queue=("client", agent)) for agent in range(AGENTS)))
+                assert all(result.generation.generated_tokens > 0 for result in results)
+                if model.retuning is not None:
+                    await model.retuning
+                return list(live)
+
+            first = await burst(0)
+            assert max(first) < AGENTS  # the 512-cell pool held only some of them: the others waited for cells
+            assert runtime.pool_cells >= AGENTS * 2 * TOKENS  # grown for all 8 (in flight + waiting) ...
+            assert daemon.adaptive.switches == 1  # ... in one step
+            grown = runtime.pool_cells
+            assert daemon.ledger.reservations()[context_key("m")] == daemon.adaptive.context_bytes(model, grown)
+            for turn in (1, 2):
+                seen = await burst(turn)
+                assert max(seen) == AGENTS  # every agent decodes in the same steps
+                assert model.admission.waiting_cells == 0
+            assert daemon.adaptive.switches == 1 and runtime.pool_cells == grown  # no further resize
+            assert daemon.adaptive.draining == set()
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("words", "beside"), [(300, True), (590, False)])
+def test_a_request_longer_than_the_pool_grows_the_pool_without_a_cold_context(tmp_path: Path, tiny_model: Path,
+                                                                            words: int, beside: bool) -> None:
+    """About 870 tokens: 512 + 1280 cells fit in n_ctx 2048, so the grown pool is built beside the live one. About
+    1700 tokens: 512 + 1792 do not, so the live context is freed first (its conversation parked) and the model's
+    ledger bytes never pass the weights and the grown pool."""
+    async def scenario() -> None:
+        daemon = Daemon(config_for(tmp_path, tiny_model), FakeDevice(8 * 2**30), Engine(2))
+        try:
+            await daemon.register("a", "m")
+            await daemon.decode("a", 4, "Hello world")  # a live conversation in the small pool
+            model = daemon.models["m"]
+            runtime = model.runtime
+            assert runtime is not None and runtime.pool_cells == INITIAL_POOL
+            weights = daemon.ledger.reservations()["m"]
+            ledger_peak = 0
+
+            async def watch_ledger() -> None:
+                nonlocal ledger_peak
+                while True:
+                    ledger_peak = max(ledger_peak, daemon.model_bytes(model))
+                    await asyncio.sleep(0)
+
+            held: list[int] = []
+
+            def on_token(token: object) -> None:  # engine thread: the contexts the model holds meanwhile
+                held.append(runtime.pool_cells + runtime.cold_cells)
+
+            watcher = asyncio.ensure_future(watch_ledger())
+            long_text = " ".join(f"word{n % 97}" for n in range(words))
+            try:
+                result = await daemon.decode("a", 8, long_text, on_token=on_token)
+            finally:
+                watcher.cancel()
+            assert result.generation.generated_tokens == 8
+            assert daemon.adaptive.colds == 0 and runtime.cold_cells == 0  # no cold context was built
+            grown = runtime.pool_cells
+            assert grown >= result.generation.prompt_tokens + 8
+            assert (INITIAL_POOL + grown <= N_CTX) is beside
+            assert held and max(held) == grown  # it decoded in the grown hot pool
+            assert daemon.ledger.reservations()[context_key("m")] == daemon.adaptive.context_bytes(model, grown)
+            if not beside:
+                assert ledger_peak <= weights + daemon.adaptive.context_bytes(model, grown)
+            again = await daemon.decode("a", 4, " and more")  # the conversation goes on in the grown pool
+            assert again.generation.generated_tokens == 4
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())

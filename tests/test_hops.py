@@ -1,0 +1,115 @@
+"""Hops between the event loop and the engine thread per request, counted on the real daemon core with the real
+engine and a real tiny model: a 1-token request alone is one engine job and one loop wake-up, and a step wakes the
+loop once for every stream that got a token in it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from counting_loop import CountingLoop
+
+from appliance.config.validate import parse_config
+from appliance.daemon.core import Daemon
+from appliance.daemon.devices import FakeDevice
+from appliance.engine.interface import Sampling, Token
+from appliance.engine.runtime import Engine
+from appliance.engine.worker import DEFAULT_QUEUE
+from appliance.server.pump import TokenPump
+
+GREEDY = Sampling(temperature=0.0)
+
+
+class CountingEngine(Engine):
+    """The real engine, counting the jobs submitted to its thread."""
+
+    def __init__(self, n_threads: int) -> None:
+        super().__init__(n_threads)
+        self.jobs = 0
+
+    def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> asyncio.Future[Any]:
+        self.jobs += 1
+        return super().submit(fn, queue=queue)
+
+
+def make_daemon(tmp_path: Path, model: Path) -> tuple[Daemon, CountingEngine]:
+    text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(model.parent)],
+            "resync_interval_s": 0, "engine": {"warmup_runs": 0, "adaptive": False, "live_slots": 4},
+            "models": [{"name": "m", "path": str(model), "n_ctx": 1024}]}
+    engine = CountingEngine(2)
+    return Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), engine), engine
+
+
+def run(body: Callable[[CountingLoop], Any]) -> Any:
+    loop = CountingLoop()
+    try:
+        return loop.run_until_complete(body(loop))
+    finally:
+        loop.close()
+
+
+def test_a_one_token_request_alone_is_one_engine_job_and_one_wake_up(tmp_path: Path, tiny_model: Path) -> None:
+    daemon, engine = make_daemon(tmp_path, tiny_model)
+
+    async def scenario(loop: CountingLoop) -> list[tuple[int, int]]:
+        try:
+            await daemon.complete("m", 1, "Hello world")  # loads the model: its own jobs
+            await daemon.register("a", "m")
+            await daemon.decode("a", 1, "Hello", GREEDY)
+            hops = []
+            for n in range(4):
+                jobs, wakes = engine.jobs, loop.wakeups
+                result = await daemon.complete("m", 1, f"Hello world {n}", GREEDY)
+                assert result.generation.generated_tokens == 1
+                hops.append((engine.jobs - jobs, loop.wakeups - wakes))
+            for n in range(4):
+                jobs, wakes = engine.jobs, loop.wakeups
+                result = await daemon.decode("a", 1, f" and {n}", GREEDY)
+                assert result.generation.generated_tokens == 1
+                hops.append((engine.jobs - jobs, loop.wakeups - wakes))
+            return hops
+        finally:
+            await daemon.close()
+
+    hops = run(scenario)
+    stateless, agent = hops[:4], hops[4:]
+    assert all(jobs == 1 and wakes == 1 for jobs, wakes in stateless), stateless
+    # An agent's decode also commits it to the store before its reply: the store's thread wakes the loop once more.
+    assert all(jobs == 1 and wakes <= 2 for jobs, wakes in agent), agent
+
+
+def test_a_step_wakes_the_loop_once_for_all_its_streams(tmp_path: Path, tiny_model: Path) -> None:
+    daemon, engine = make_daemon(tmp_path, tiny_model)
+    prompts = ["Once upon a time", "The quick brown fox", "Hello world"]
+
+    async def scenario(loop: CountingLoop) -> tuple[int, int, list[str], list[str]]:
+        try:
+            alone = [(await daemon.complete("m", 12, prompt, GREEDY)).generation.text for prompt in prompts]
+            streamed: list[list[str]] = [[] for _ in prompts]
+
+            def sink_of(index: int) -> Callable[[list[Token]], bool]:
+                def sink(tokens: list[Token]) -> bool:
+                    streamed[index].extend(token.text for token in tokens)
+                    return True
+                return sink
+
+            async def stream(index: int) -> None:
+                pump = TokenPump(loop, sink_of(index), cancel=threading.Event())
+                with pump:
+                    await daemon.complete("m", 12, prompts[index], GREEDY, pump.on_token)
+
+            jobs, wakes = engine.jobs, loop.wakeups
+            await asyncio.gather(*(stream(index) for index in range(len(prompts))))
+            return engine.jobs - jobs, loop.wakeups - wakes, alone, ["".join(parts) for parts in streamed]
+        finally:
+            await daemon.close()
+
+    jobs, wakes, alone, streamed = run(scenario)
+    assert streamed == alone  # every token arrived, in order, as the request makes them alone
+    # 36 tokens (and 3 ends) in ~12 batched steps: one wake-up per engine job at most, not one per token.
+    assert wakes <= jobs, (wakes, jobs)
+    assert wakes < 3 * 12, (wakes, jobs)

@@ -1,0 +1,95 @@
+"""A serving process imports only what serving needs: the modules that only other commands, the admin page's
+writes or a GPU use are imported where they are used, so that an idle ``appliance run`` stays small.
+
+The check runs the appliance's real ``main(["run", ...])`` on a real tiny model in a child process
+(``tests/serving_modules.py``), loads the model and decodes through the socket, then reads the child's
+``sys.modules``. The resident memory this saves is a benchmark figure (``benchmarks/idle_memory.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+from harness import config_text
+
+from appliance.daemon import devices
+from appliance.engine import gguf_meta
+
+PROBE = Path(__file__).resolve().parent / "serving_modules.py"
+PROBE_TIMEOUT_S = 180
+
+NOT_SERVING = {
+    "gguf": "the GGUF writer and reader package (gguf_meta keeps its own block-size table)",
+    "tqdm": "the terminal progress bar of `appliance benchmark`",
+    "ruamel": "the comment-keeping config writer (models add, benchmark --apply, the admin page's writes)",
+    "huggingface_hub": "`appliance models pull`",
+    "appliance.benchmark.apply": "writing a benchmark's advice into the config",
+    "appliance.benchmark.runner": "`appliance benchmark`",
+    "appliance.config.roundtrip": "the comment-keeping config writer",
+    "appliance.models": "`appliance models add/pull` and the admin page's add form",
+    "appliance.engine.tinymodel": "writing a demo model that is missing",
+    "appliance.client": "the command-line clients",
+}
+"""Modules (and their submodules) a serving process must not have imported, and who uses them instead."""
+
+
+def imported(modules: list[str], name: str) -> list[str]:
+    return [module for module in modules if module == name or module.startswith(name + ".")]
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, object]:
+    """What ``appliance run`` (device auto, as shipped) had imported once its model was loaded and had decoded."""
+    state = tmp_path_factory.mktemp("serving")
+    models = state / "models"
+    models.mkdir()
+    shutil.copy(tiny_model, models / "tiny.gguf")
+    config = state / "appliance.yaml"
+    config.write_text(config_text({"tiny": {"path": str(models / "tiny.gguf"), "n_ctx": 256}}, state=state,
+                                  model_dirs=[models], device="auto"))
+    out = state / "modules.json"
+    done = subprocess.run([sys.executable, str(PROBE), str(config), "tiny", str(out)], capture_output=True,
+                          text=True, timeout=PROBE_TIMEOUT_S)
+    assert out.exists(), f"the probe wrote nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    result: dict[str, object] = json.loads(out.read_text())
+    assert "error" not in result, f"{result.get('error')}\n{done.stderr[-3000:]}"
+    return result
+
+
+def test_the_probe_saw_a_serving_process_with_its_model_loaded(serving: dict[str, object]) -> None:
+    replies = serving["replies"]
+    assert isinstance(replies, list) and len(replies) == 2
+    assert all(not reply.startswith("ERR") for reply in replies), replies
+    assert "generated_tokens=2" in replies[1]
+    modules = serving["modules"]
+    assert isinstance(modules, list)
+    assert {"llama_cpp", "appliance.app", "appliance.http.app", "appliance.http.admin"} <= set(modules)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SERVING))
+def test_serving_process_does_not_import(serving: dict[str, object], name: str) -> None:
+    modules = serving["modules"]
+    assert isinstance(modules, list)
+    assert imported(modules, name) == [], f"a serving process imported {name}, needed only for {NOT_SERVING[name]}"
+
+
+def test_pynvml_is_imported_only_where_nvml_can_load(serving: dict[str, object]) -> None:
+    """``device: auto`` asks NVML for a GPU only when the driver's library loads; a CPU-only box never imports
+    pynvml."""
+    modules = serving["modules"]
+    assert isinstance(modules, list)
+    if devices.nvml_library_loads():
+        pytest.skip("the NVML library loads on this machine: `device: auto` uses pynvml")
+    assert imported(modules, "pynvml") == []
+
+
+def test_gguf_block_sizes_equal_gguf_py() -> None:
+    """gguf_meta's table of ggml block sizes is gguf-py's ``GGML_QUANT_SIZES`` (a new gguf release adding a type
+    fails here until the table has it)."""
+    upstream = {int(kind): sizes for kind, sizes in gguf.GGML_QUANT_SIZES.items()}
+    assert dict(gguf_meta.GGML_BLOCK_SIZES) == upstream

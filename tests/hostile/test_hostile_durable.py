@@ -360,9 +360,10 @@ def test_kill_9_at_random_points_loses_no_acknowledged_turn(record_case, tiny_mo
     crashed = hung = lost = True
     kills_mid_turn = 0
     with state_folder() as (folder, logs):
+        # flash attention off: a replay, decoded alone, must take the very tokens the batched turns took
         config = write_config(folder, {"a": {"path": str(tiny_model), "n_ctx": 2048},
                                        "b": {"path": str(tiny_model_b), "n_ctx": 4096}},
-                              engine={"live_slots": 2})
+                              engine={"live_slots": 2, "flash_attention": False})
         runs = Runs(config, logs)
         try:
             run = checked_start(runs)

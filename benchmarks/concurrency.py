@@ -8,6 +8,8 @@ sends its own 64-token prompt (BOS included; distinct per agent) and streams 64 
   set, every other engine setting (flash attention, the adaptive engine) its default; each agent streams
   ``POST /v1/completions`` (``user`` names the agent) on its own connection;
 * **appliance one-at-a-time**: the same with ``engine.live_slots: 1`` (the engine before batching);
+* **appliance fixed**: the defaults with ``engine.adaptive: false`` (the fixed strategy: one context of ``n_ctx``
+  cells from the start, no tuning), the adaptive engine's own baseline;
 * **appliance flash on / off**: ``engine.flash_attention: true`` / ``false``;
 * **llama-server defaults / flash on / flash off**: ``llama-server -np N`` without ``--flash-attn`` (its default),
   with ``--flash-attn on`` and ``off``; built from the llama.cpp vendored in the pinned llama-cpp-python's sdist
@@ -26,7 +28,8 @@ aggregate tokens/s (every streamed token / wall time from the first request sent
 TTFT P50/P99 (client side, over every agent of every round) and the server process's peak RSS (VmHWM).
 
 Targets: on defaults, at least llama-server's tokens/s at every N and a TTFT P99 no worse than its; the appliance on
-defaults with 4 agents >= 1.6x itself one at a time, with 8 >= 2.0x. Exit 1 when a stream of a path that must
+defaults with 4 agents >= 1.6x itself one at a time, with 8 >= 2.0x; the adaptive engine (defaults) at least the
+fixed strategy's tokens/s and a TTFT P99 no worse than its at every N. Exit 1 when a stream of a path that must
 deliver exactly its tokens (llama-server, asked to ignore EOS, and the appliance with flash attention off) did not.
 
 Run ``python -m benchmarks.concurrency`` (``--quick`` for a seconds-long smoke run on the 4x256 model, without the
@@ -79,6 +82,9 @@ TARGET_RATIO_8 = 2.0
 TARGET_VS_LLAMA_SERVER = 1.0
 """On defaults the appliance's aggregate tokens/s is at least this times llama-server's, and its TTFT P99 at most
 llama-server's, at every N."""
+TARGET_VS_FIXED = 1.0
+"""The adaptive engine (defaults) has at least this times the fixed strategy's tokens/s, and a TTFT P99 at most
+its, at every N."""
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_PROMPT = "Hello world, this is a warm up"
 WARMUP_TOKENS = 4
@@ -101,6 +107,7 @@ class PathSpec:
     kind: str  # appliance | llama-server
     live_slots: int | None = None  # the appliance's engine.live_slots
     flash_attention: bool | None = None
+    adaptive: bool | None = None  # the appliance's engine.adaptive (None: its default)
 
     @property
     def strict(self) -> bool:
@@ -111,10 +118,12 @@ class PathSpec:
 
 
 def appliance_paths(flash_off: bool = True) -> list[PathSpec]:
-    """The appliance on its defaults (only the slots for 8 agents and the threads set), one at a time, and with flash
-    attention on (and off) as the flash-equal partners of llama-server's."""
+    """The appliance on its defaults (only the slots for 8 agents and the threads set), with the fixed strategy, one
+    at a time, and with flash attention on (and off) as the flash-equal partners of llama-server's."""
     paths = [PathSpec("appliance_defaults", f"appliance defaults, engine.{SLOTS_KEY}: {BATCHED_SLOTS}", "appliance",
                       BATCHED_SLOTS),
+             PathSpec("appliance_fixed", f"appliance defaults, engine.{SLOTS_KEY}: {BATCHED_SLOTS}, adaptive: false",
+                      "appliance", BATCHED_SLOTS, adaptive=False),
              PathSpec("appliance_one_at_a_time", f"appliance defaults, engine.{SLOTS_KEY}: 1", "appliance", 1),
              PathSpec("appliance_flash_on", f"appliance, engine.{SLOTS_KEY}: {BATCHED_SLOTS}, flash_attention: true",
                       "appliance", BATCHED_SLOTS, flash_attention=True)]
@@ -144,12 +153,14 @@ PAIRS = {"defaults": ("appliance_defaults", "llama_server_defaults"),
 
 def engine_settings(path: PathSpec, threads: int) -> dict[str, int | bool]:
     """The ``engine:`` keys the appliance runs with on ``path``; the one place :data:`SLOTS_KEY` is set. Flash
-    attention only when the path sets it (else the appliance's own default)."""
+    attention and the strategy only when the path sets them (else the appliance's own defaults)."""
     if path.live_slots is None:
         raise ValueError(f"{path.name} is not an appliance path")
     settings: dict[str, int | bool] = {"threads": threads, SLOTS_KEY: path.live_slots}
     if path.flash_attention is not None:
         settings["flash_attention"] = path.flash_attention
+    if path.adaptive is not None:
+        settings["adaptive"] = path.adaptive
     return settings
 
 
@@ -497,8 +508,9 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 
 def comparisons(results: dict[str, dict[str, Any]], agents: Sequence[int]) -> dict[str, dict[str, float | None]]:
-    """Per N: for each pair of :data:`PAIRS` the appliance's tokens/s and TTFT P99 over llama-server's, and the
-    appliance on defaults against itself one at a time."""
+    """Per N: for each pair of :data:`PAIRS` the appliance's tokens/s and TTFT P99 over llama-server's, the
+    appliance on defaults against itself one at a time, and the adaptive engine (defaults) over the fixed strategy
+    (tokens/s and TTFT P99)."""
     out: dict[str, dict[str, float | None]] = {}
     for n in agents:
         key = str(n)
@@ -510,6 +522,10 @@ def comparisons(results: dict[str, dict[str, Any]], agents: Sequence[int]) -> di
             cells[f"{pair}_ttft_p99"] = ratio(mine.get("ttft_p99_ms"), peer_entry.get("ttft_p99_ms"))
         cells["vs_one_at_a_time"] = ratio(results.get("appliance_defaults", {}).get(key, {}).get("tokens_per_s"),
                                           results.get("appliance_one_at_a_time", {}).get(key, {}).get("tokens_per_s"))
+        adaptive = results.get("appliance_defaults", {}).get(key, {})
+        fixed = results.get("appliance_fixed", {}).get(key, {})
+        cells["adaptive_vs_fixed_tok_s"] = ratio(adaptive.get("tokens_per_s"), fixed.get("tokens_per_s"))
+        cells["adaptive_vs_fixed_ttft_p99"] = ratio(adaptive.get("ttft_p99_ms"), fixed.get("ttft_p99_ms"))
         out[key] = cells
     return out
 
@@ -517,7 +533,8 @@ def comparisons(results: dict[str, dict[str, Any]], agents: Sequence[int]) -> di
 def target_rows(compared: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
     """Every target with its value (a ratio) and whether it is met (None: a side is absent, or N not run): on
     defaults, tokens/s >= llama-server's and TTFT P99 <= llama-server's at every N; the appliance on defaults >=
-    1.6x itself one at a time with 4 agents, >= 2.0x with 8."""
+    1.6x itself one at a time with 4 agents, >= 2.0x with 8; the adaptive engine's tokens/s >= the fixed strategy's
+    and its TTFT P99 <= the fixed strategy's at every N."""
     def row(key: str, target: str, value: float | None, limit: float, above: bool) -> dict[str, Any]:
         met = None if value is None else (value >= limit if above else value <= limit)
         return {"key": key, "target": target, "value": value, "limit": limit, "met": met}
@@ -533,6 +550,11 @@ def target_rows(compared: dict[str, dict[str, float | None]]) -> list[dict[str, 
         value = compared.get(n, {}).get("vs_one_at_a_time")
         rows.append(row(f"vs_one_at_a_time_n{n}", f"defaults, N={n}: tok/s >= {limit:.1f}x one at a time", value,
                         limit, True))
+    for n, cells in compared.items():
+        rows.append(row(f"adaptive_vs_fixed_tok_s_n{n}", f"adaptive, N={n}: tok/s >= {TARGET_VS_FIXED:.1f}x fixed's",
+                        cells.get("adaptive_vs_fixed_tok_s"), TARGET_VS_FIXED, True))
+        rows.append(row(f"adaptive_vs_fixed_ttft_p99_n{n}", f"adaptive, N={n}: TTFT P99 <= fixed's",
+                        cells.get("adaptive_vs_fixed_ttft_p99"), 1.0, False))
     return rows
 
 
@@ -575,6 +597,10 @@ def headline(args: argparse.Namespace, results: dict[str, dict[str, Any]],
     if "appliance_defaults" in results:
         n = str(max(args.agents))
         parts.append(f"defaults vs one at a time N={n} {fmt(compared[n]['vs_one_at_a_time'])}")
+    if "appliance_defaults" in results and "appliance_fixed" in results:
+        cells = ", ".join(f"N={n} {fmt(c['adaptive_vs_fixed_tok_s'])}" for n, c in compared.items())
+        p99 = ", ".join(fmt(c["adaptive_vs_fixed_ttft_p99"]) for c in compared.values())
+        parts.append(f"adaptive / fixed tok/s {cells} (TTFT P99 {p99})")
     known = [row for row in targets if row["met"] is not None]
     parts.append(f"targets met {sum(1 for row in known if row['met'])}/{len(known)}")
     noisy = noisy_rounds(rounds)
@@ -610,7 +636,8 @@ def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt]
         "machine": machine(),
         "units": "tokens_per_s = all streamed tokens / (last token - first request sent), all agents at once, the "
                  "median of the kept rounds; ttft = first streamed text - request sent, per agent (client side); "
-                 "peak_rss_bytes = VmHWM of the server process; comparisons = appliance / llama-server; "
+                 "peak_rss_bytes = VmHWM of the server process; comparisons = appliance / llama-server "
+                 "(adaptive_vs_fixed_*: the appliance on defaults / with engine.adaptive: false); "
                  "flash_attention null = the server's own default; llama_batched_bench gen_tok_s = generation "
                  "tokens/s of all sequences together",
         "headline": headline(args, results, compared, notes, rounds, targets),
@@ -643,9 +670,14 @@ def print_table(r: dict[str, Any]) -> None:
     if r["llama_batched_bench"] is not None:
         row = ", ".join(f"{b['n_parallel']}: {b['gen_tok_s']:.1f}" for b in r["llama_batched_bench"])
         print(f"llama-batched-bench generation tok/s by sequences (the box's ceiling): {row}")
+    def times(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for n, c in r["comparisons"].items():
-        cells = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in c.items())
+        cells = ", ".join(f"{k} {times(v)}" for k, v in c.items() if not k.startswith("adaptive_vs_fixed"))
         print(f"N={n}: appliance / llama-server {cells}")
+        print(f"N={n}: adaptive / fixed tok/s {times(c.get('adaptive_vs_fixed_tok_s'))}, TTFT P99 "
+              f"{times(c.get('adaptive_vs_fixed_ttft_p99'))}")
     for n, rounds in r["rounds_by_agents"].items():
         shares = ", ".join("-" if rec["foreign_share"] is None else f"{rec['foreign_share']:.0%}"
                            + ("" if rec["kept"] else " dropped") for rec in rounds["records"])

@@ -1,6 +1,7 @@
 """The hot pool's demand sees the queue, in the daemon on the real tiny model: 8 clients at once (stateless turns of
-about 60 + 64 tokens, one connection each) in a 512-cell pool make it grow once, after which all 8 run live
-together; a request longer than the pool grows the pool in place instead of building a cold context beside it."""
+about 60 + 64 tokens, one connection each) in a 512-cell pool make it grow once, while the first ones decode,
+after which all 8 run live together; a request longer than the pool grows the pool in place instead of building a
+cold context beside it."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def test_eight_clients_run_live_together_after_one_growth(tmp_path: Path, tiny_m
                 return list(live)
 
             first = await burst(0)
-            assert max(first) < AGENTS  # the 512-cell pool held only some of them: the others waited for cells
+            assert first[0] < AGENTS  # the 512-cell pool held only some of them: the others waited for cells ...
+            assert max(first) == AGENTS  # ... and joined the ones still in flight once the pool grew
             assert runtime.pool_cells >= AGENTS * 2 * TOKENS  # grown for all 8 (in flight + waiting) ...
             assert daemon.adaptive.switches == 1  # ... in one step
             grown = runtime.pool_cells

@@ -4,6 +4,7 @@ and the peer helpers (``benchmarks/peer.py``) that need no build."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,19 @@ def test_summary_aggregates_each_burst_over_its_wall_time_and_pools_the_ttfts() 
 
 
 def test_targets_need_both_sides() -> None:
-    both = {"defaults_tok_s": 1.1, "defaults_ttft_p99": 0.9, "vs_one_at_a_time": 1.7}
-    one_side = {"defaults_tok_s": None, "defaults_ttft_p99": None, "vs_one_at_a_time": 1.9}
+    both = {"defaults_tok_s": 1.1, "defaults_ttft_p99": 0.9, "vs_one_at_a_time": 1.7,
+            "adaptive_vs_fixed_tok_s": 1.0, "adaptive_vs_fixed_ttft_p99": 1.0}
+    one_side = {"defaults_tok_s": None, "defaults_ttft_p99": None, "vs_one_at_a_time": 1.9,
+                "adaptive_vs_fixed_tok_s": None, "adaptive_vs_fixed_ttft_p99": 0.5}
     met = concurrency.targets_met({"4": both, "8": one_side})
     assert met == {"defaults_tok_s_n4": True, "defaults_ttft_p99_n4": True, "defaults_tok_s_n8": None,
-                   "defaults_ttft_p99_n8": None, "vs_one_at_a_time_n4": True, "vs_one_at_a_time_n8": False}
-    slower = concurrency.targets_met({"4": {**both, "defaults_tok_s": 0.99, "defaults_ttft_p99": 1.01}})
+                   "defaults_ttft_p99_n8": None, "vs_one_at_a_time_n4": True, "vs_one_at_a_time_n8": False,
+                   "adaptive_vs_fixed_tok_s_n4": True, "adaptive_vs_fixed_ttft_p99_n4": True,
+                   "adaptive_vs_fixed_tok_s_n8": None, "adaptive_vs_fixed_ttft_p99_n8": True}
+    slower = concurrency.targets_met({"4": {**both, "defaults_tok_s": 0.99, "defaults_ttft_p99": 1.01,
+                                            "adaptive_vs_fixed_tok_s": 0.99, "adaptive_vs_fixed_ttft_p99": 1.01}})
     assert slower["defaults_tok_s_n4"] is False and slower["defaults_ttft_p99_n4"] is False
+    assert slower["adaptive_vs_fixed_tok_s_n4"] is False and slower["adaptive_vs_fixed_ttft_p99_n4"] is False
     assert slower["vs_one_at_a_time_n8"] is None  # N=8 not run
 
 
@@ -107,26 +114,31 @@ def test_comparisons_divide_the_appliance_by_llama_server_per_pair() -> None:
                "llama_server_defaults": {"2": {"tokens_per_s": 100.0, "ttft_p99_ms": 20.0}},
                "appliance_flash_on": {"2": {"tokens_per_s": 120.0, "ttft_p99_ms": 10.0}},
                "llama_server_flash_on": {"2": {"tokens_per_s": 100.0, "ttft_p99_ms": 20.0}},
-               "appliance_one_at_a_time": {"2": {"tokens_per_s": 45.0, "ttft_p99_ms": 60.0}}}
+               "appliance_one_at_a_time": {"2": {"tokens_per_s": 45.0, "ttft_p99_ms": 60.0}},
+               "appliance_fixed": {"2": {"tokens_per_s": 75.0, "ttft_p99_ms": 40.0}}}
     c = concurrency.comparisons(results, [2])["2"]
+    assert c["adaptive_vs_fixed_tok_s"] == pytest.approx(1.2) and c["adaptive_vs_fixed_ttft_p99"] == pytest.approx(0.75)
+    del results["appliance_fixed"]
+    assert concurrency.comparisons(results, [2])["2"]["adaptive_vs_fixed_tok_s"] is None
     assert c["defaults_tok_s"] == pytest.approx(0.9) and c["defaults_ttft_p99"] == pytest.approx(1.5)
     assert c["flash_on_tok_s"] == pytest.approx(1.2) and c["flash_on_ttft_p99"] == pytest.approx(0.5)
     assert c["flash_off_tok_s"] is None and c["vs_one_at_a_time"] == pytest.approx(2.0)
 
 
 def test_config_sets_the_slots_and_only_the_asked_flash_attention(tmp_path: Path) -> None:
-    defaults, single, flash_on, flash_off = concurrency.appliance_paths()
-    for path, slots in ((defaults, concurrency.BATCHED_SLOTS), (single, 1), (flash_on, concurrency.BATCHED_SLOTS),
-                        (flash_off, concurrency.BATCHED_SLOTS)):
+    defaults, fixed, single, flash_on, flash_off = concurrency.appliance_paths()
+    for path, slots in ((defaults, concurrency.BATCHED_SLOTS), (fixed, concurrency.BATCHED_SLOTS), (single, 1),
+                        (flash_on, concurrency.BATCHED_SLOTS), (flash_off, concurrency.BATCHED_SLOTS)):
         text = concurrency.concurrency_config(tmp_path / "m.gguf", tmp_path, n_ctx=512, http_port=1,
                                               engine=concurrency.engine_settings(path, 2))
         assert f"{concurrency.SLOTS_KEY}: {slots}" in text and "threads: 2" in text
         assert ("flash_attention: true" in text) == (path is flash_on)
         assert ("flash_attention: false" in text) == (path is flash_off)
-    assert [p.name for p in concurrency.appliance_paths(flash_off=False)] == [defaults.name, single.name,
+        assert ("adaptive: false" in text) == (path is fixed) and "adaptive: true" not in text
+    assert [p.name for p in concurrency.appliance_paths(flash_off=False)] == [defaults.name, fixed.name, single.name,
                                                                                 flash_on.name]
     assert [p.flash_attention for p in concurrency.llama_server_paths()] == [None, True, False]
-    assert [p.strict for p in (defaults, single, flash_on, flash_off)] == [False, False, False, True]
+    assert [p.strict for p in (defaults, fixed, single, flash_on, flash_off)] == [False, False, False, False, True]
     assert all(p.strict for p in concurrency.llama_server_paths())
 
 
@@ -165,6 +177,16 @@ def check_quick_result(r: dict[str, Any], printed: str) -> None:
     assert r["box_load"]["wall_s"] > 0 and r["box_load"]["other_processes_share_of_box"] >= 0
     assert {row["key"] for row in r["targets"]} >= {"defaults_tok_s_n1", "defaults_tok_s_n2",
                                                      "defaults_ttft_p99_n1", "defaults_ttft_p99_n2"}
+    for n in ("1", "2"):  # the adaptive engine beside the fixed strategy, in the same rounds
+        adaptive = r["paths"]["appliance_defaults"]["by_agents"][n]
+        fixed = r["paths"]["appliance_fixed"]["by_agents"][n]
+        for key, figure in (("adaptive_vs_fixed_tok_s", "tokens_per_s"), ("adaptive_vs_fixed_ttft_p99", "ttft_p99_ms")):
+            assert r["comparisons"][n][key] == pytest.approx(adaptive[figure] / fixed[figure])
+            assert 0 < r["comparisons"][n][key] < math.inf
+        row = {row["key"]: row for row in r["targets"]}[f"adaptive_vs_fixed_tok_s_n{n}"]
+        assert row["value"] == r["comparisons"][n]["adaptive_vs_fixed_tok_s"] and row["met"] == (row["value"] >= 1.0)
+        assert f"N={n}: adaptive / fixed tok/s" in printed
+    assert "adaptive / fixed tok/s N=1" in r["headline"]
     for row in r["targets"]:
         assert f"{row['target']}" in printed
     headlines = [line for line in printed.splitlines() if line.startswith("HEADLINE:")]
@@ -183,8 +205,8 @@ def test_concurrency_quick_with_the_peer_absent(tmp_path: Path, capsys: pytest.C
     printed = capsys.readouterr().out
     r = json.loads(out.read_text())
     assert rc == 0, printed
-    assert set(r["paths"]) == {"appliance_defaults", "appliance_one_at_a_time", "appliance_flash_on",
-                               "appliance_flash_off"}
+    assert set(r["paths"]) == {"appliance_defaults", "appliance_fixed", "appliance_one_at_a_time",
+                               "appliance_flash_on", "appliance_flash_off"}
     for name in ("llama_server_defaults", "llama_server_flash_on", "llama_server_flash_off"):
         assert r["notes"][name].startswith("absent: llama.cpp is not built in"), r["notes"]
     assert r["llama_batched_bench"] is None
@@ -206,8 +228,8 @@ def test_concurrency_quick_with_the_peer(tmp_path: Path, capsys: pytest.CaptureF
     printed = capsys.readouterr().out
     r = json.loads(out.read_text())
     assert rc == 0, printed
-    assert set(r["paths"]) == {"appliance_defaults", "appliance_one_at_a_time", "appliance_flash_on",
-                               "llama_server_defaults", "llama_server_flash_on"}
+    assert set(r["paths"]) == {"appliance_defaults", "appliance_fixed", "appliance_one_at_a_time",
+                               "appliance_flash_on", "llama_server_defaults", "llama_server_flash_on"}
     assert r["notes"]["llama_server_defaults"] == "measured"
     assert r["llama_server_flash_attention"] == {"llama_server_defaults": "auto -> enabled",
                                                  "llama_server_flash_on": "enabled"}

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import pytest
 import yaml
 
 from appliance.config.validate import parse_config
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import FakeDevice
+from appliance.engine.bindings import llama_cpp  # the C API the engine calls (patched below)
 from appliance.engine.fake import BOS, EOS, LONGEST_PIECE, FakeEngine, ManualClock, next_token
 from appliance.engine.runtime import GREEDY, Conversation, Engine, Generation, Runtime, Sampling, Token
 from appliance.engine.streamtext import StreamText

@@ -176,7 +176,9 @@ def test_the_daemon_drops_the_least_recently_used_parked_state_and_never_refuses
 
 
 def test_reuse_buffers_go_before_any_parked_state_and_the_budget_is_read_at_use_time(tmp_path: Path) -> None:
-    config = make_config(tmp_path, host_kv_budget=2 * STATE + 8)
+    # The fixed strategy: a restored conversation keeps its buffer for reuse (an adaptive pool's lets it go).
+    engine = {"live_slots": 1, "adaptive": False}
+    config = make_config(tmp_path, host_kv_budget=2 * STATE + 8, engine=engine)
     daemon = Daemon(config, FakeDevice("8GiB", process_used=0), FakeEngine(), clock=ManualClock())
 
     async def main() -> None:
@@ -193,7 +195,8 @@ def test_reuse_buffers_go_before_any_parked_state_and_the_budget_is_read_at_use_
             assert b.dropped == () and daemon.agents["p"].conversation.buffer is None
             assert daemon.agents["q"].conversation.where == daemon.agents["a"].conversation.where == "host"
             assert daemon.snapshot()["host_kv"]["parked_bytes"] == 2 * STATE
-            daemon.config = make_config(tmp_path, host_kv_budget=STATE)  # a reload: the next swap uses it
+            # A reload: the next swap reads the new budget.
+            daemon.config = make_config(tmp_path, host_kv_budget=STATE, engine=engine)
             a = await daemon.decode("a", 8, "")
             assert a.dropped == ("q", "a") and a.rebuilt  # room for b's state: q, then a itself
             host = daemon.snapshot()["host_kv"]

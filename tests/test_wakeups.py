@@ -12,7 +12,7 @@ import pytest
 from counting_loop import CountingLoop
 
 from appliance.engine import loopfuture, wakeups
-from appliance.engine.worker import FairWorker, jobs_waiting
+from appliance.engine.worker import FairWorker, jobs_waiting, others_waiting
 
 
 @pytest.fixture
@@ -146,3 +146,45 @@ def test_jobs_waiting_is_the_queue_behind_the_running_job(worker: FairWorker) ->
     gate.set()
     assert first.result(timeout=10) == 1
     assert second.result(timeout=10) == 0
+
+
+def test_others_waiting_counts_only_other_keys_jobs(worker: FairWorker) -> None:
+    assert others_waiting() is None  # not a worker's thread
+    queued = threading.Event()
+    read = threading.Event()
+    other = threading.Event()
+    seen: list[bool | None] = []
+
+    def held() -> None:  # reads it with only its own key's next job queued, then with another key's too
+        queued.wait(10)
+        seen.append(others_waiting())
+        read.set()
+        other.wait(10)
+        seen.append(others_waiting())
+
+    first = worker.submit(held, queue="steps")
+    worker.submit(held, queue="steps")
+    queued.set()
+    assert read.wait(10)
+    worker.submit(others_waiting, queue="start")
+    other.set()
+    first.result(timeout=10)
+    assert seen[:2] == [False, True]
+
+
+def test_flush_hands_over_now_and_goes_on_batching(loop: CountingLoop, worker: FairWorker) -> None:
+    seen: list[str] = []
+
+    def job() -> int:
+        wakeups.call_soon(loop, seen.append, "first step")
+        wakeups.flush()
+        wakeups.call_soon(loop, seen.append, "second step")
+        wakeups.call_soon(loop, seen.append, "its end")
+        return loop.wakeups
+
+    async def scenario() -> int:
+        return await loopfuture.loop_future(worker.submit(job))
+
+    at_flush = loop.run_until_complete(scenario())
+    assert at_flush == 1 and loop.wakeups == 2  # one at the flush, one for the rest and the result
+    assert seen == ["first step", "second step", "its end"]

@@ -58,7 +58,8 @@ class AsyncMagnClient(_ClientCore):
 
     It owns, on top of what :class:`~appliance.client.blocking._ClientCore` owns, its non-blocking socket, the outbox
     of frames to write, and two tasks: a reader (it feeds what it reads to the routing) and a writer (it drains the
-    outbox), both ended by :meth:`close`.
+    outbox), both ended by :meth:`close`. A frame is written at once when nothing is queued before it and the socket
+    takes it whole (a request: no wake-up of the writer); what the socket does not take goes to the outbox.
     """
 
     def __init__(self, path: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
@@ -66,6 +67,7 @@ class AsyncMagnClient(_ClientCore):
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._sock: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []  # [reader, writer] once connected
+        self._sending = False  # the writer holds a frame taken from the outbox (not yet all written)
 
     def _new_queue(self) -> asyncio.Queue[Any]:
         return asyncio.Queue()
@@ -110,7 +112,10 @@ class AsyncMagnClient(_ClientCore):
     async def _write_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         try:
             while True:
-                await loop.sock_sendall(sock, await self._outbox.get())
+                data = await self._outbox.get()
+                self._sending = True
+                await loop.sock_sendall(sock, data)
+                self._sending = False
                 self._outbox.task_done()
         except OSError as exc:  # the reader still delivers what the server said first (e.g. TOO_MANY_CONNECTIONS)
             await asyncio.wait(self._tasks[:1], timeout=1)
@@ -125,6 +130,14 @@ class AsyncMagnClient(_ClientCore):
     def _write(self, data: bytes) -> None:
         if self._sock is None:
             raise ConnectionError("not connected: call connect() first")
+        if not self._sending and self._outbox.empty() and self._tasks and not self._tasks[1].done():
+            try:  # nothing queued before it: straight to the socket
+                sent = self._sock.send(data)
+            except OSError:  # full (EAGAIN), or broken: the writer sends it, or meets the error and fails the client
+                sent = 0
+            data = data[sent:]
+            if not data:
+                return
         self._outbox.put_nowait(data)
 
     async def _next(self, key: str | None) -> m.Message:

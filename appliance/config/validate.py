@@ -15,7 +15,6 @@ ConfigDiff`` keeps working.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import ipaddress
 import math
 import os
@@ -208,6 +207,8 @@ def _violation(setting: schema.Setting, value: Any, raw: Any) -> str | None:
 
 def _unknown(key: str, names: list[str]) -> str:
     """The problem of an unknown ``key`` in a section whose known keys are ``names``, with a hint."""
+    import difflib  # only a config with a mistake needs it: a serving process does not hold it
+
     close = difflib.get_close_matches(key.lower(), names, n=1, cutoff=0.6)
     if close:
         return f"unknown key '{key}' (did you mean '{close[0]}'?)"

@@ -9,17 +9,22 @@ engine and the ledger.
 * **Pool and plan.** A sampled request may change what the tuner wants. The new context's bytes are reserved under
   :func:`next_key` first (a denial keeps the context as it is); with ``engine.async_switch`` it is built in its own
   engine job beside the live one, and swapped in once no request of the model is in flight (its live
-  conversations carried over); without, the model's next request rebuilds it inline before it starts. Then the
-  live context's ledger key takes the new figure and the temporary key goes.
+  conversations carried over; a larger pool at once, its requests in flight carried over too); without, the
+  model's next request rebuilds it inline before it starts. Then the live context's ledger key takes the new
+  figure and the temporary key goes.
 * **Queue demand.** A request refused for want of KV cells while a sequence was free (admission blocked on cells)
   tells :meth:`AdaptiveLoop.blocked` what the requests in flight and those waiting need; the tuner then asks for a
-  pool that holds them at once (:meth:`~appliance.engine.adaptive.Tuner.queue_demand`). While a grown pool waits
-  to be swapped in, the model's requests do not start (they queue): the ones in flight end, the pool is replaced,
-  and the waiting ones start together in it.
-* **Never two contexts past ``n_ctx``.** A context is built beside the live one only when both together hold at
-  most the model's ``n_ctx`` cells (:func:`~appliance.engine.tuning.builds_beside`); otherwise the live
-  conversations are parked in host RAM and the live context freed before the new one is built
-  (``runtime.rebuild``), its ledger figure replaced in place. The parked states still take host RAM meanwhile.
+  pool that holds them at once (:meth:`~appliance.engine.adaptive.Tuner.queue_demand`). While a grown pool is
+  built, the model's requests do not start (they queue); it is swapped in at the next step boundary, the requests
+  in flight carried over into it (each sequence's cells, sampler and pending token: they go on where they were),
+  and the waiting ones start in it at once.
+* **Never more KV than ``n_ctx``.** A context is built beside the live one only when both together, with the
+  model's host buffers (parked states, reuse buffers, the buffer a move copies through), hold at most the model's
+  ``n_ctx`` cells (:func:`~appliance.engine.tuning.builds_beside`); otherwise the live conversations are parked
+  in host RAM and the live context freed before the new one is built (``runtime.rebuild``), its ledger figure
+  replaced in place. A growth goes no larger than what one of the two can build within ``n_ctx`` cells with the
+  conversations and host buffers there are now (:func:`~appliance.engine.tuning.growth_ceiling`, before each
+  retune): past it the pool stays, and the conversations it does not hold are parked in turn.
 * **Cold path.** A request longer than the hot pool first grows the hot pool to hold it (:meth:`AdaptiveLoop.
   grow_for`); only where that is not possible (the ledger denies it, or ``engine.async_switch: false``) it reserves
   a one-sequence context of its size under :func:`cold_key` (one at a time per model), runs there, and the key is
@@ -207,6 +212,28 @@ class AdaptiveLoop:
         if nbytes:
             self.daemon.ledger.try_reserve(key, nbytes)
 
+    # -- the model's KV memory, in cells (never more than the fixed strategy's n_ctx) --------------------------
+    def live_cells(self, runtime: Any) -> list[int]:
+        """The cells each live conversation of ``runtime`` holds, or will hold by the end of its request in flight
+        (its need: a growth happens once the requests in flight ended, or carries them over)."""
+        needs = {id(request.conv): request.need for request in list(runtime.slots.requests.values())}
+        return [max(conv.n_evaluated, needs.get(id(conv), 0)) for conv in runtime.live]
+
+    def held_cells(self, model: Model, runtime: Any) -> int:
+        """What a context built beside the live one finds held in host RAM, in cells: ``model``'s host buffers
+        (parked states, reuse buffers) and the buffer the move copies its largest live conversation through."""
+        parked, reused = runtime.slots.host_cells()
+        return parked + reused + max(self.live_cells(runtime), default=0)
+
+    def growth_ceiling(self, model: Model, runtime: Any) -> int:
+        """The largest pool a growth of ``model``'s may build now (:func:`~appliance.engine.tuning.growth_ceiling`
+        on its live conversations and host buffers)."""
+        parked, reused = runtime.slots.host_cells()
+        cells = self.live_cells(runtime)
+        return tuning.growth_ceiling(max(runtime.pool_cells, 1), model.spec.n_ctx, live=sum(cells),
+                                     largest=max(cells, default=0), parked=parked, reused=reused,
+                                     granularity=POOL_GRANULARITY)
+
     # -- sampling ---------------------------------------------------------------------------------------
     def observe(self, model: Model, request: Any) -> None:
         """A request of ``model`` ended (loop side): its sample goes to the profile; a sampled one may retune."""
@@ -305,6 +332,9 @@ class AdaptiveLoop:
             return
         tuner = self.tuner(model)
         live_cells = sum(conv.n_evaluated for conv in runtime.live)
+        if not threads_only:
+            runtime.slots.keep_buffers = not tuner.settings.adaptive  # no second copy of a conversation in host RAM
+            tuner.limit(self.growth_ceiling(model, runtime))
         wanted = tuner.decide(live_cells, self.cpu)
         current = runtime.tuning
         if wanted.threads != current.threads:
@@ -320,14 +350,16 @@ class AdaptiveLoop:
             model.pending = wanted  # the next request rebuilds it inline (apply_pending)
 
     async def switch(self, model: Model, wanted: Tuning) -> bool:
-        """Build ``wanted``'s context beside the live one, then swap it in once the model has no request in
-        flight. False when the ledger denies it or the model's context went away meanwhile."""
+        """Build ``wanted``'s context beside the live one, then swap it in: a larger pool at once, the requests in
+        flight carried over (they go on from where they are), another once the model has no request in flight.
+        False when the ledger denies it or the model's context went away meanwhile."""
         daemon = self.daemon
         runtime = model.runtime
         if runtime is None:
             return False
         grow = wanted.pool_cells > runtime.pool_cells
-        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx):
+        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx,
+                                    self.held_cells(model, runtime)):
             return await self.rebuild(model, wanted, drain=grow)
         nbytes = self.context_bytes(model, wanted.pool_cells)
         key = next_key(model.key)
@@ -349,8 +381,8 @@ class AdaptiveLoop:
                     return False  # unloaded, or its context freed meanwhile
                 if self.tuner(model).held_floor() > wanted.pool_cells:
                     return False  # more requests wait for cells than it was built for: the next retune builds it
-                if not runtime.slots.busy:
-                    parked = await daemon.engine.call(runtime.switch, queue=("tune", model.key))
+                if grow or not runtime.slots.busy:  # a grown pool takes the requests in flight with it
+                    parked = await daemon.engine.call(runtime.switch, carry=grow, queue=("tune", model.key))
                     if parked is not None:
                         break
                 await asyncio.sleep(SWITCH_POLL_S)  # requests in flight: look again soon
@@ -371,10 +403,12 @@ class AdaptiveLoop:
                     asyncio.ensure_future(job).add_done_callback(log_failure)
 
     async def rebuild(self, model: Model, wanted: Tuning, *, drain: bool) -> bool:
-        """Replace ``model``'s live context with ``wanted``'s without the two ever existing at once: once no
-        request is in flight in it (with ``drain``, none starts meanwhile), its conversations are parked, it is
-        freed and the new one built (``runtime.rebuild``). The context's ledger figure is replaced in place first;
-        False when the ledger denies the new one (the old one stays) or the context went away meanwhile."""
+        """Replace ``model``'s live context with ``wanted``'s without the two ever existing at once: its idle
+        conversations are parked, it is freed and the new one built (``runtime.rebuild``). With ``drain`` (a
+        growth) no request starts meanwhile and the requests in flight are carried over (lifted to host RAM, then
+        go on in the new one); without, it waits until no request is in flight. The context's ledger figure is
+        replaced in place first; False when the ledger denies the new one (the old one stays) or the context went
+        away meanwhile."""
         daemon = self.daemon
         runtime = model.runtime
         if runtime is None:
@@ -387,7 +421,7 @@ class AdaptiveLoop:
             while True:
                 if model.runtime is not runtime or not runtime.has_context:
                     return False
-                if runtime.slots.busy:
+                if runtime.slots.busy and not drain:
                     await asyncio.sleep(SWITCH_POLL_S)  # requests in flight: look again soon
                     continue
                 floor = min(self.tuner(model).held_floor(), model.spec.n_ctx)  # more may wait now than at first
@@ -404,7 +438,7 @@ class AdaptiveLoop:
                     return False
                 try:
                     started = time.perf_counter()
-                    parked = await daemon.engine.call(runtime.rebuild, wanted, queue=("tune", model.key))
+                    parked = await daemon.engine.call(runtime.rebuild, wanted, carry=drain, queue=("tune", model.key))
                 except BaseException:
                     daemon.ledger.release(key)
                     if runtime.has_context:
@@ -442,7 +476,8 @@ class AdaptiveLoop:
         if wanted is None or runtime is None or runtime.busy or not runtime.has_context:
             return
         model.pending = None
-        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx):
+        if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx,
+                                    self.held_cells(model, runtime)):
             await self.rebuild(model, wanted, drain=False)  # the live context freed first: no peak above n_ctx
             return
         nbytes = self.context_bytes(model, wanted.pool_cells)

@@ -1,8 +1,9 @@
 """Host RAM for parked KV state: the budget and which buffers to let go of (pure: no IO, no clocks).
 
 Every agent's conversation that waits outside its model's live context keeps its KV state in a host buffer, and a
-conversation keeps that buffer for reuse while it is live again. ``host_kv_budget`` bounds the bytes of all those
-buffers together (``auto``: a quarter of physical RAM).
+conversation restored into the context keeps that buffer for its next park while no other live conversation of the
+context keeps one (a restore lets the others' go). ``host_kv_budget`` bounds the bytes of all those buffers together
+(``auto``: a quarter of physical RAM).
 
 Policy: **drop, never deny.** Before a KV swap parks the live conversation, the daemon makes room for it (its
 size estimated from the model's earlier swaps, :func:`parked_estimate`), and after the swap it checks the real

@@ -39,7 +39,7 @@ from appliance.engine.embedding import Embeddings, context_size
 from appliance.engine.interface import GREEDY, Conversation, Generation, PromptText, Sampling, Token
 from appliance.engine.prompts import PromptVocabulary, tokenize_prompt
 from appliance.engine.slots import ColdNeeded, Request
-from appliance.engine.worker import DEFAULT_QUEUE, jobs_waiting
+from appliance.engine.worker import DEFAULT_QUEUE, jobs_waiting, others_waiting
 from appliance.errors import ApplianceError
 
 ACCEPTED: contextvars.ContextVar[bool] = contextvars.ContextVar("appliance_accepted", default=False)
@@ -69,6 +69,17 @@ def first_step(runtime: Any, cancelled: bool = False) -> None:
         runtime.step()
     except Exception:
         log.exception("a decode step failed")
+
+
+def steps(runtime: Any) -> None:
+    """On the engine thread, one step job: a step, and more while the runtime has requests in flight and no job of
+    another engine queue waits (a request starting, another model's step, a load: it runs between two steps as
+    before, when this job makes way). Each step's tokens go to the loop as the step ends (:func:`wakeups.flush`),
+    so a stream gets every step's tokens as they come; the loop is not asked for each next step."""
+    runtime.step()
+    while runtime.busy and not others_waiting():
+        wakeups.flush()
+        runtime.step()
 
 
 async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:
@@ -458,7 +469,7 @@ class Requests(DaemonBase):
         """A request of ``model`` ended on the engine thread (now on the loop): its caller wakes, and so does
         every request waiting for a free sequence of the model."""
         model.ended += 1
-        request.memory_bytes = self.model_bytes(model)  # the pool cannot change while it runs: its peak
+        request.memory_bytes = self.model_bytes(model)  # the pool only grows while it runs: its peak
         if not ended.done():
             ended.set_result(request)
         self._wake(model)
@@ -469,16 +480,16 @@ class Requests(DaemonBase):
             model.stepper = asyncio.get_running_loop().create_task(self._steps(model))
 
     async def _steps(self, model: Model) -> None:
-        """Step the model's live context while requests are in flight: one engine job per step, in its own engine
-        queue, so that other work (new requests joining, other models' steps, loads) runs between two steps. The
-        next step is queued before this one ends, so the engine thread never waits for the event loop (busy with
-        the streams) to ask for it; a step with nothing to do returns at once."""
+        """Step the model's live context while requests are in flight: engine jobs of one or more steps
+        (:func:`steps`), in their own engine queue, so that other work (new requests joining, other models' steps,
+        loads) runs between two steps. The next job is queued before this one ends, so the engine thread never
+        waits for the event loop (busy with the streams) to ask for it; a step with nothing to do returns at once."""
         queued: collections.deque[Any] = collections.deque()
         try:
             while True:
                 runtime = model.runtime
                 while runtime is not None and runtime.busy and len(queued) < STEPS_AHEAD:
-                    queued.append(self.engine.submit(runtime.step, queue=("steps", model.key)))
+                    queued.append(self.engine.submit(functools.partial(steps, runtime), queue=("steps", model.key)))
                 if not queued:
                     return
                 await queued.popleft()

@@ -119,6 +119,7 @@ class Tuner:
         self.current = self.initial()
         self.floor = 0  # the pool the queue asked for (queue_demand): kept until floor_until requests were observed
         self.floor_until = 0
+        self.ceiling = n_ctx  # the largest pool a growth may build now (limit)
 
     def initial(self) -> Tuning:
         """The tuning a model starts with (nothing profiled yet)."""
@@ -154,6 +155,15 @@ class Tuner:
         """A warm-up run's sample: always kept (SPEC E5)."""
         self.profile.seed(sample)
 
+    def limit(self, ceiling: int) -> None:
+        """A growth may build at most ``ceiling`` cells now (never less than the current pool): what the model's KV
+        memory allows (:func:`~appliance.engine.tuning.growth_ceiling`). :meth:`decide` and :meth:`queue_demand`
+        ask for no more until the next limit; a held queue floor above it comes down to it."""
+        if ceiling < 1:
+            raise ValueError(f"ceiling must be at least 1, got {ceiling}")
+        self.ceiling = max(min(ceiling, self.n_ctx), self.current.pool_cells)
+        self.floor = min(self.floor, self.ceiling)
+
     def queue_demand(self, demand: int) -> bool:
         """Admission is blocked on cells: the requests in flight and those waiting need ``demand`` cells. True when
         the pool must grow for them (:meth:`decide` then asks for it at once, and keeps it while the next
@@ -163,7 +173,7 @@ class Tuner:
             return False
         wanted = tuning.queue_pool_cells(demand, max(self.current.pool_cells, self.floor),
                                          self.settings.hot_pool_slack, granularity=POOL_GRANULARITY,
-                                         maximum=self.n_ctx)
+                                         maximum=min(self.n_ctx, max(self.ceiling, self.current.pool_cells)))
         if wanted is None:
             return False
         self.floor = wanted
@@ -193,6 +203,8 @@ class Tuner:
             pool = min(tuning.resize_pool(pool, wanted), self.n_ctx)
             plan = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries, plan)
         pool = max(pool, min(live_cells, self.n_ctx), min(self.held_floor(), self.n_ctx))
+        if pool > current.pool_cells:
+            pool = max(current.pool_cells, min(pool, self.ceiling))
         threads = current.threads
         if settings.pinned_threads:
             threads = settings.fixed_threads

@@ -63,10 +63,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 
 from appliance.engine import flash, llamalog
+from appliance.engine.bindings import llama_cpp
 from appliance.engine.flash import FlashMode
 from appliance.engine.interface import GREEDY, Grammar, Sampling, StopReason
 from appliance.engine.sampler import NO_TOKEN, Candidates, Draw, GrammarParts, SequenceSampler
@@ -81,7 +81,7 @@ GGML_TYPES: dict[str, int] = {
 }
 """ggml's type ids of the KV cache types ``models[].cache_type`` allows (``ggml.h``'s ``enum ggml_type``)."""
 
-__all__ = ["NO_TOKEN", "BatchedContext", "ModelWeights", "SavedSequence", "SeqEvent"]
+__all__ = ["NO_TOKEN", "BatchedContext", "LiftedSequence", "ModelWeights", "SavedSequence", "SeqEvent"]
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +326,18 @@ class _Sequence:
         generate."""
         left = 0 if self.done else self.max_tokens - len(self.generated)
         return self.n_past + len(self.pending) + left
+
+
+@dataclass(eq=False)
+class LiftedSequence:
+    """A generating sequence taken out of its context (:meth:`BatchedContext.lift`) to go on in another context of
+    the same weights (:meth:`BatchedContext.land`): its KV cells (``state``, positions ``0..n_past-1``), the
+    sequence itself with its sampler (random stream, penalties and grammar as they are: nothing replayed) and
+    the events of its draws settled but not delivered yet."""
+
+    state: bytes
+    sequence: _Sequence
+    ready: list[tuple[SeqEvent, np.ndarray]]
 
 
 class BatchedContext:
@@ -649,6 +661,46 @@ class BatchedContext:
         seq = _Sequence(seq_id, saved.n_past, list(saved.pending), saved.max_tokens, saved.sampling, sampler,
                         kept, list(saved.generated), saved.done)
         self._seqs[seq_id] = seq
+
+    def lift(self, seq_id: int) -> LiftedSequence:
+        """Take generating sequence ``seq_id`` out of this context, to :meth:`land` in another one of the same
+        weights (a pool grown while requests are in flight): its draw in flight is waited for, its cells copied to
+        host bytes and removed here. Its sampler goes with it, not freed."""
+        self._check_thread()
+        seq = self._sequence(seq_id)
+        self._settle(seq, keep=True)  # its token drawn beside the decode goes with it
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = int(llama_cpp.llama_state_seq_get_data(self.ctx, buffer, size, seq_id))
+        if written == 0 and size > 0:
+            raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
+        ready = [(event, row) for event, row in self._ready if event.seq_id == seq_id]
+        self._ready = [(event, row) for event, row in self._ready if event.seq_id != seq_id]
+        del self._seqs[seq_id]
+        self._outputs.pop(seq_id, None)
+        self._drawn.pop(seq_id, None)
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        return LiftedSequence(bytes(buffer)[:written], seq, ready)
+
+    def land(self, seq_id: int, lifted: LiftedSequence) -> None:
+        """The free id ``seq_id`` becomes the :meth:`lift`-ed sequence: its cells back, its sampler and pending
+        tokens as they were; it goes on at the next step (its undelivered events come with it)."""
+        self._check_thread()
+        self._check_free(seq_id)
+        seq = lifted.sequence
+        if seq.seq_id != seq_id:
+            raise ApplianceError("INTERNAL", "a lifted sequence lands in another sequence id",
+                                 {"seq_id": seq_id, "lifted": seq.seq_id})
+        self._check_room(seq.cells())
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        if lifted.state:
+            buffer = (ctypes.c_uint8 * len(lifted.state)).from_buffer_copy(lifted.state)
+            read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(lifted.state), seq_id))
+            if read == 0:
+                llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+                raise ApplianceError("INTERNAL", "llama.cpp refused the lifted sequence state", {"seq_id": seq_id})
+        self._seqs[seq_id] = seq
+        self._ready.extend(lifted.ready)
 
     # -- decoding --------------------------------------------------------------------------------------
     def step(self) -> list[SeqEvent]:

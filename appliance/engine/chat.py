@@ -41,15 +41,16 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from appliance.engine import gguf_meta, toolcalls
 from appliance.engine.interface import Prompt
 from appliance.engine.toolcalls import Choice, Tool, ToolCall, ToolResult
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 BOS_KEY = "tokenizer.ggml.bos_token_id"
@@ -224,7 +225,10 @@ def to_json(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 
 @functools.cache
 def environment() -> ImmutableSandboxedEnvironment:
-    """The sandbox templates render in, set up as Hugging Face's ``apply_chat_template`` does."""
+    """The sandbox templates render in, set up as Hugging Face's ``apply_chat_template`` does (built on the first
+    template that renders: a process whose models have none never imports Jinja2)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = to_json
@@ -240,6 +244,8 @@ def template_error(message: str, **details: Any) -> ApplianceError:
 @functools.lru_cache(maxsize=32)
 def compiled(source: str) -> jinja2.Template:
     """``source`` compiled in the sandbox (cached: a model's template is compiled once)."""
+    import jinja2
+
     try:
         return environment().from_string(source)
     except jinja2.TemplateError as exc:

@@ -12,10 +12,10 @@ import ctypes
 import threading
 from collections.abc import Sequence
 
-import llama_cpp
 import numpy as np
 
 from appliance.engine.batched import ModelWeights
+from appliance.engine.bindings import llama_cpp
 from appliance.engine.embedding import MAX_SEQUENCES, POOLING_NAMES, check_inputs, normalised, pack, pooling_of
 from appliance.errors import ApplianceError
 

@@ -320,6 +320,21 @@ class FakeContext:
             raise ApplianceError("INTERNAL", "fake KV state does not match its token count")
         self.kv[seq_id] = cells
 
+    def lift(self, seq_id: int) -> tuple[list[int], _FakeSequence]:
+        """Take generating sequence ``seq_id`` out (its cells and its state), to :meth:`land` in another context."""
+        if seq_id not in self.running:
+            raise ApplianceError("BAD_REQUEST", "no such sequence in the context", {"seq_id": seq_id})
+        return self.kv.pop(seq_id), self.running.pop(seq_id)
+
+    def land(self, seq_id: int, lifted: tuple[list[int], _FakeSequence]) -> None:
+        """The free id ``seq_id`` becomes the :meth:`lift`-ed sequence, as it was."""
+        if seq_id in self.running or seq_id in self.kv:
+            raise ApplianceError("BAD_REQUEST", "the sequence id is in use", {"seq_id": seq_id})
+        cells, seq = lifted
+        self._room(len(cells) + len(seq.pending) + (0 if seq.done else seq.max_tokens - seq.generated))
+        self.kv[seq_id] = cells
+        self.running[seq_id] = seq
+
 
 class FakeRuntime(SlotRuntime):
     """A loaded fake model; implements :class:`~appliance.engine.interface.RuntimeProtocol` with the real

@@ -10,7 +10,7 @@ import sys
 
 def offload_supported() -> bool:
     """Whether this llama.cpp build can offload layers to a GPU (False for a CPU build)."""
-    import llama_cpp
+    from appliance.engine.bindings import llama_cpp
 
     return bool(llama_cpp.llama_supports_gpu_offload())
 

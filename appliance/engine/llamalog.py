@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import llama_cpp
+from appliance.engine.bindings import llama_cpp
 
 _capture = threading.local()
 _install_lock = threading.Lock()

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import llama_cpp
 import numpy as np
 
+from appliance.engine.bindings import llama_cpp
 from appliance.engine.interface import Grammar, Sampling, TokenLogprobs
 from appliance.engine.sampling import token_logprobs
 from appliance.engine.triggers import Feed, TriggerPattern, TriggerWatch

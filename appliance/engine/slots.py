@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance.engine.adaptive import Tuning
 from appliance.engine.interface import (
@@ -102,6 +102,10 @@ class SequenceContext(Protocol):
 
     def truncate(self, seq_id: int, keep: int) -> None: ...
 
+    def lift(self, seq_id: int) -> Any: ...
+
+    def land(self, seq_id: int, lifted: Any) -> None: ...
+
     @property
     def threads(self) -> int: ...
 
@@ -171,6 +175,7 @@ class Slots:
         self.saves = 0
         self.restores = 0
         self.refused_need = 0  # the cells the last request :meth:`begin` refused needed (the queue's pool demand)
+        self.keep_buffers = True  # a restored conversation keeps its host buffer (False: an adaptive pool's do not)
 
     # -- reading ---------------------------------------------------------------------------------------
     @property
@@ -184,6 +189,15 @@ class Slots:
 
     def holds(self, conv: Conversation) -> bool:
         return conv.seq is not None and self.holders.get(conv.seq) is conv
+
+    def host_cells(self) -> tuple[int, int]:
+        """The cells held in host buffers: the states of the conversations parked here, and (at their cells now: the
+        state a buffer was sized for is at most that, unless the conversation was cut since) the live ones that keep
+        a buffer for their next park. A snapshot, safe to take off the engine thread."""
+        unique = {id(conv): conv for conv in list(self._parked)}  # one parked twice is listed twice
+        parked = sum(conv.n_evaluated for conv in unique.values() if conv.where == "host" and conv.buffer is not None)
+        reused = sum(conv.n_evaluated for conv in list(self.holders.values()) if conv.buffer is not None)
+        return parked, reused
 
     # -- requests --------------------------------------------------------------------------------------
     def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling, *,
@@ -303,12 +317,21 @@ class Slots:
         return min(idle, key=self._used.__getitem__)
 
     def _place(self, conv: Conversation, seq_id: int) -> bool:
-        """``conv`` takes the free ``seq_id``: its parked state comes back (True), or it starts with no cells."""
+        """``conv`` takes the free ``seq_id``: its parked state comes back (True), or it starts with no cells.
+
+        A restored conversation keeps its host buffer for its next park (a swap back and forth allocates nothing),
+        but at most one live conversation keeps one: the other live conversations' buffers go (a conversation and
+        its copy in host RAM would otherwise hold its cells twice); with ``keep_buffers`` false (an adaptive pool,
+        whose memory must stay within the fixed strategy's) none keeps one."""
         restored = conv.where == "host" and conv.buffer is not None and conv.nbytes > 0
         if restored:
             assert conv.buffer is not None
             self.context.load_state(seq_id, memoryview(conv.buffer)[:conv.nbytes], conv.n_evaluated)
             self.restores += 1
+            for other in self.holders.values():
+                other.buffer = None
+            if not self.keep_buffers:
+                conv.buffer = None
         else:
             conv.n_evaluated = 0
         conv.where = "device"
@@ -322,6 +345,7 @@ class Slots:
         conv = self.holders.pop(seq_id)
         size = self.context.state_size(seq_id)
         if conv.buffer is None or len(conv.buffer) < size:
+            conv.buffer = None  # the smaller one goes before the larger one is allocated
             conv.buffer = bytearray(size)  # reused by its later parks: no allocation per swap
         conv.nbytes = self.context.state_into(seq_id, conv.buffer)
         conv.n_evaluated = self.context.cells(seq_id)
@@ -355,29 +379,76 @@ class Slots:
         """Park every live conversation (none may have a request in flight): the context is about to go."""
         if self.requests:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
-        return [self._park(seq_id) for seq_id in list(self.holders)]
+        return self.park_idle()
 
-    def move_to(self, context: SequenceContext) -> list[Conversation]:
-        """Carry every live conversation (none may have a request in flight) over to ``context``, in the same
-        sequence ids; the least recently used ones that would not fit are parked first. The old context is the
-        caller's to close. Returns the parked conversations."""
-        if self.requests:
+    def park_idle(self) -> list[Conversation]:
+        """Park every live conversation without a request in flight."""
+        return [self._park(seq_id) for seq_id in list(self.holders) if seq_id not in self.requests]
+
+    def lift_requests(self) -> dict[int, Any]:
+        """Take the sequence of every request in flight out of the context as it is (``SequenceContext.lift``):
+        the context is about to be replaced while they run; :meth:`land_requests` puts them in the next one."""
+        return {seq_id: self.context.lift(seq_id) for seq_id in list(self.requests)}
+
+    def land_requests(self, lifted: dict[int, Any]) -> None:
+        """The :meth:`lift_requests` sequences go on in the (new) context, in the same sequence ids; a request whose
+        sequence the context refuses ends with that error (:meth:`abandon`)."""
+        for seq_id, sequence in lifted.items():
+            try:
+                self.context.land(seq_id, sequence)
+            except Exception as exc:
+                self.abandon({seq_id: sequence}, exc)
+
+    def abandon(self, lifted: dict[int, Any], error: BaseException) -> list[Request]:
+        """The lifted requests cannot go on (no context takes their sequences): each ends with ``error``, rolled
+        back to before it; its conversation holds no cells (its tokens are evaluated again at its next request)."""
+        ended = []
+        for seq_id in lifted:
+            request = self.requests.pop(seq_id)
+            conv = request.conv
+            del conv.tokens[request.before:]
+            self.holders.pop(seq_id, None)
+            self._used.pop(seq_id, None)
+            conv.seq = None
+            conv.where = "empty"
+            conv.n_evaluated = 0
+            ended.append(self._ended(request, "cancelled", error))
+        return ended
+
+    def move_to(self, context: SequenceContext, *, carry: bool = False) -> list[Conversation]:
+        """Carry every live conversation over to ``context``, in the same sequence ids; the least recently used
+        idle ones that would not fit are parked first. No request may be in flight, or with ``carry`` those in
+        flight go on in ``context`` from where they are (their sequences lifted and landed: sampler, pending
+        token, cells). The old context is the caller's to close. Returns the parked conversations."""
+        if self.requests and not carry:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
         if context.n_seq_max < self.context.n_seq_max:
             raise ApplianceError("INTERNAL", "the new context has fewer sequences")
+        if sum(request.need for request in self.requests.values()) > context.n_ctx:
+            raise ApplianceError("INTERNAL", "the requests in flight do not fit in the new context",
+                                 {"n_ctx": context.n_ctx})
         parked: list[Conversation] = []
         while self.context.cells_claimed() > context.n_ctx:
             victim = self._idle_victim(exclude=None)
-            assert victim is not None  # no request in flight: every holder is idle
+            assert victim is not None  # the requests' claims fit (checked above): an idle holder is left
             parked.append(self._park(victim))
         buffer = bytearray()
         for seq_id in list(self.holders):
+            if seq_id in self.requests:
+                continue
             size = self.context.state_size(seq_id)
             if len(buffer) < size:
                 buffer = bytearray(size)
             written = self.context.state_into(seq_id, buffer)
             context.load_state(seq_id, memoryview(buffer)[:written], self.context.cells(seq_id))
-        self.context = context
+        old, self.context = self.context, context
+        for seq_id in list(self.requests):  # one at a time: host RAM holds one sequence's state at once
+            try:
+                lifted = old.lift(seq_id)
+            except Exception as exc:
+                self.abandon({seq_id: None}, exc)
+                continue
+            self.land_requests({seq_id: lifted})
         return parked
 
     def _borrow(self, seq_id: int, tokens: list[int], request: Request) -> int:
@@ -491,15 +562,19 @@ class Slots:
         conv.n_evaluated = self.context.finish(seq_id, keep)
         if rollback:
             del conv.tokens[request.before:]
+        if request.ephemeral:
+            self.detach(conv)
+        self._touch(seq_id)
+        return self._ended(request, reason, error)
+
+    def _ended(self, request: Request, reason: StopReason, error: BaseException | None) -> Request:
+        """``request`` is over: its generation (or ``error``), then its ``on_done``."""
         request.done = True
         request.error = error
         request.generation = Generation(request.stream.text, tuple(request.out), request.prompt_tokens, reason,
                                         time.perf_counter() - request.started, request.ttft,
                                         prompt_evaluated=request.evaluated, reused=request.reused,
                                         logprobs=tuple(request.logprobs), stop_sequence=request.stream.matched)
-        if request.ephemeral:
-            self.detach(conv)
-        self._touch(seq_id)
         if request.on_done is not None:
             request.on_done(request)
         return request
@@ -587,7 +662,8 @@ class SlotRuntime(RequestRunner):
 
     * **Retuning** happens between requests: :meth:`prepare` builds the next context beside the live one (the
       daemon runs it as its own engine job, between steps: ``async_switch``), :meth:`switch` carries the live
-      conversations over to it once no request is in flight; :meth:`retune` does both at once. Threads change in
+      conversations over to it once no request is in flight (or between two steps, the requests in flight with
+      them: ``carry``, for a larger pool); :meth:`retune` does both at once. Threads change in
       place (:meth:`set_threads`).
     * **Cold path**: a request needing more cells than the whole hot pool gets :class:`ColdNeeded`; the caller opens
       a one-sequence context of that size (:meth:`open_cold`) and begins it there. When it ends the cold context
@@ -680,15 +756,16 @@ class SlotRuntime(RequestRunner):
     def prepared(self) -> Tuning | None:
         return self._next[1] if self._next is not None else None
 
-    def switch(self) -> list[Conversation] | None:
+    def switch(self, *, carry: bool = False) -> list[Conversation] | None:
         """Put the prepared context in place of the live one, the live conversations carried over (the least
         recently used parked if they do not all fit); returns the parked ones. None (nothing changes) while a
-        request is in flight, or with nothing prepared."""
-        if self._next is None or self.context is None or self.slots.busy:
+        request is in flight, or with nothing prepared; with ``carry`` the requests in flight go on in the prepared
+        context (:meth:`Slots.move_to`: it must hold their claims)."""
+        if self._next is None or self.context is None or (self.slots.busy and not carry):
             return None
         context, tuning = self._next
         self._next = None
-        parked = self.slots.move_to(context)
+        parked = self.slots.move_to(context, carry=carry)
         old, self.context = self.context, context
         self._free(old)
         self.tuning = tuning
@@ -701,21 +778,38 @@ class SlotRuntime(RequestRunner):
         self.prepare(tuning)
         return self.switch()
 
-    def rebuild(self, tuning: Tuning) -> list[Conversation] | None:
+    def rebuild(self, tuning: Tuning, *, carry: bool = False) -> list[Conversation] | None:
         """Replace the live context with one for ``tuning`` without the two ever existing at once: every live
         conversation is parked in host RAM and the live context freed before the new one is built (a prepared one
-        too). Returns the parked conversations; None (nothing changes) while a request is in flight in it."""
-        if self.context is None or self.slots.busy:
+        too). Returns the parked conversations; None (nothing changes) while a request is in flight in it. With
+        ``carry`` the requests in flight go on in the new context from where they are (their sequences lifted to
+        host RAM meanwhile: :meth:`Slots.lift_requests`); when it cannot be built, they go on in one of the old
+        size and the error is raised (or end with it, when that cannot be built either)."""
+        if self.context is None or (self.slots.busy and not carry):
             return None
         self._rebuilding = True  # has_context stays true for the loop meanwhile: its ledger key is being replaced
         try:
             self._drop_next()
-            parked = self.slots.park_all()
+            lifted = self.slots.lift_requests()
+            parked = self.slots.park_idle()
             self._free(self.context)
             self.context = None
             self.slots.context = None  # type: ignore[assignment]
-            self.tuning = tuning
-            self.open_context()
+            old, self.tuning = self.tuning, tuning
+            try:
+                self.open_context()
+            except BaseException as exc:
+                if not lifted:
+                    raise
+                self.tuning = old
+                try:
+                    self.open_context()  # it held them a moment ago
+                except BaseException:
+                    self.slots.abandon(lifted, exc)
+                    raise
+                self.slots.land_requests(lifted)
+                raise
+            self.slots.land_requests(lifted)
         finally:
             self._rebuilding = False
         return parked

@@ -8,7 +8,8 @@ so a workload sitting on a boundary does not flap between two values:
   to it at once but shrinks only when the wanted size is at least ``shrink_margin`` below the current one.
   :func:`queue_pool_cells` is the size asked for when admission is blocked on cells (the requests in flight and
   those waiting need more than the pool); :func:`builds_beside` says whether the next context may be built beside
-  the live one or only after the live one is freed.
+  the live one or only after the live one is freed, and :func:`growth_ceiling` how large a growth may go without
+  the model's KV memory (pools and host buffers) passing what the fixed strategy preallocates.
 * **Plan (E3).** :func:`choose_plan`: S below the first boundary, M between, L above the second (P90 input
   tokens). Away from the current plan each boundary moves by ``margin`` times itself: leaving a plan needs the
   value past the boundary by that much.
@@ -110,13 +111,42 @@ def queue_pool_cells(demand: int, current: int, slack: float, *, granularity: in
     return wanted
 
 
-def builds_beside(current: int, wanted: int, n_ctx: int) -> bool:
-    """Whether a context of ``wanted`` cells may be built beside the live one of ``current`` cells: both together
-    hold at most ``n_ctx`` cells (what the fixed strategy preallocates). Otherwise the live conversations are parked
-    and the live context freed first, so that two contexts never hold more than the fixed strategy's one."""
+def builds_beside(current: int, wanted: int, n_ctx: int, held: int = 0) -> bool:
+    """Whether a context of ``wanted`` cells may be built beside the live one of ``current`` cells: both together,
+    and ``held`` cells' worth of host RAM the model holds meanwhile (its conversations' host buffers, the buffer a
+    move copies through), hold at most ``n_ctx`` cells (what the fixed strategy preallocates). Otherwise the live
+    conversations are parked and the live context freed first, so that two contexts never hold more than the fixed
+    strategy's one."""
     if min(current, wanted, n_ctx) < 1:
         raise ValueError(f"current, wanted and n_ctx must be at least 1, got {current}, {wanted}, {n_ctx}")
-    return current + wanted <= n_ctx
+    if held < 0:
+        raise ValueError(f"held must be at least 0, got {held}")
+    return current + wanted + held <= n_ctx
+
+
+def growth_ceiling(current: int, n_ctx: int, *, live: int, largest: int, parked: int, reused: int,
+                   granularity: int = 256) -> int:
+    """The largest hot pool a growth from ``current`` cells may build now while the model's KV memory stays within
+    what the fixed strategy preallocates (``n_ctx`` cells), in cells (host buffers counted at their cells' worth):
+
+    * built beside the live one: ``current`` + the new pool + the largest live conversation (``largest``: the
+      buffer a move copies through) + every host buffer (``parked`` states and the ``reused`` buffers live
+      conversations keep for their next park) <= ``n_ctx``;
+    * rebuilt (the live conversations parked in host RAM, the live context freed, then the new one built): the new
+      pool + the live conversations' cells (``live``) + every host buffer <= ``n_ctx`` (counting a reuse buffer
+      beside the state parked into it: an upper bound).
+
+    The better of the two, rounded down to ``granularity``, at most ``n_ctx``; ``current`` when neither allows a
+    larger pool."""
+    if min(current, n_ctx, granularity) < 1:
+        raise ValueError(f"current, n_ctx and granularity must be at least 1, got {current}, {n_ctx}, {granularity}")
+    if min(live, largest, parked, reused) < 0:
+        raise ValueError(f"live, largest, parked and reused must be at least 0, got {live}, {largest}, {parked}, "
+                         f"{reused}")
+    beside = n_ctx - current - largest - parked - reused
+    rebuilt = n_ctx - live - parked - reused
+    best = max(beside, rebuilt) // granularity * granularity
+    return max(current, min(best, n_ctx))
 
 
 def band(value: float, low: float, high: float) -> int:

@@ -59,6 +59,17 @@ def batch() -> Iterator[None]:
         hand_over(pending)
 
 
+def flush() -> None:
+    """Inside a batch: hand over the calls queued so far now (one wake-up per loop), and go on batching the next
+    ones (a job that runs several steps wakes the loop once per step, not once at its end). Outside one: nothing."""
+    pending: list[tuple[Loop, Call]] | None = getattr(_batches, "pending", None)
+    if not pending:
+        return
+    taken = pending.copy()
+    pending.clear()
+    hand_over(taken)
+
+
 def hand_over(pending: list[tuple[Loop, Call]]) -> None:
     """One ``call_soon_threadsafe`` per loop for its calls in ``pending``, in order."""
     by_loop: dict[Loop, list[Call]] = {}

@@ -36,6 +36,13 @@ def jobs_waiting() -> int | None:
     return None if worker is None else worker.queued
 
 
+def others_waiting() -> bool | None:
+    """On a worker's thread (inside a job): whether a job of another key than the running job's is queued (a job
+    that could go on need not make way for its own key's next jobs); None on any other thread."""
+    worker: FairWorker | None = getattr(_serving, "worker", None)
+    return None if worker is None else worker.others_queued
+
+
 class FairWorker:
     """One worker thread serving per-key FIFO queues round-robin (one job per key per turn).
 
@@ -47,6 +54,7 @@ class FairWorker:
         self._cond = threading.Condition()
         self._queues: dict[Hashable, collections.deque[Job]] = {}
         self._ring: collections.deque[Hashable] = collections.deque()  # keys with queued jobs, next to serve first
+        self._running_key: Hashable | None = None  # the key of the job running (or of the last one)
         self._closed = False
         self._on_start = on_start
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -57,6 +65,12 @@ class FairWorker:
         """Jobs waiting (not counting the one running)."""
         with self._cond:
             return sum(len(jobs) for jobs in self._queues.values())
+
+    @property
+    def others_queued(self) -> bool:
+        """Whether a job of another key than the running job's waits."""
+        with self._cond:
+            return any(key != self._running_key for key in self._ring)
 
     def submit(self, fn: Callable[[], Any], *, queue: Hashable = DEFAULT_QUEUE) -> concurrent.futures.Future[Any]:
         """Queue ``fn`` behind the other jobs of ``queue``; its future gives ``fn``'s value or exception."""
@@ -80,6 +94,7 @@ class FairWorker:
                     return None
                 self._cond.wait()
             key = self._ring.popleft()
+            self._running_key = key
             jobs = self._queues[key]
             job = jobs.popleft()
             if jobs:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
@@ -26,6 +26,7 @@ from appliance.engine import reasoning, toolcalls
 from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import anthropic_schema as schema
+from appliance.http import sse
 from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
     END,
@@ -98,27 +99,27 @@ async def events(run: Run, first: Any, ident: str, options: ChatRequest, plan: C
     reply = ReplyStream(plan.splitter(), parser)
     blocks = schema.StreamBlocks(display=display)
     try:
-        yield schema.message_start(ident, options.model)
-        item = first
-        while item is not END:
-            if item is PING:
-                yield schema.PING
-            else:
-                for chunk in blocks.feed(reply.feed("".join(token.text for token in item))):
-                    yield chunk
-            item = await run.queue.get()
+        out = [schema.message_start(ident, options.model)]
+        async for items, last in sse.deliveries(run.queue, first, END):  # what is ready together: one write
+            for item in items:
+                if item is PING:
+                    out.append(schema.PING)
+                else:
+                    out.extend(blocks.feed(reply.feed("".join(token.text for token in item))))
+            if out and not last:
+                yield b"".join(out)
+                out = []
         try:
             done = outcome(run.task)
         except ApplianceError as exc:
-            yield schema.event("error", schema.error_document(exc))
+            out.append(schema.event("error", schema.error_document(exc)))
+            yield b"".join(out)
             return
-        for chunk in blocks.feed(reply.finish()):
-            yield chunk
-        for chunk in blocks.finish():
-            yield chunk
+        out.extend(blocks.feed(reply.finish()))
+        out.extend(blocks.finish())
         reason, sequence = ending(done, blocks.called, max_tokens)
-        for chunk in schema.message_end(reason, sequence, counts(done)):
-            yield chunk
+        out.extend(schema.message_end(reason, sequence, counts(done)))
+        yield b"".join(out)
     finally:
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
@@ -136,9 +137,7 @@ async def messages(request: Request) -> Response:
         await run.watch(request, run.task)
         return JSONReply(answer(outcome(run.task), ident, options, plan, display, max_tokens))
     first = await first_batch(request, run)
-    return StreamingResponse(events(run, first, ident, options, plan, display, max_tokens),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.EventStream(events(run, first, ident, options, plan, display, max_tokens), run.cancel.set)
 
 
 # -- counting ------------------------------------------------------------------------------------------------------

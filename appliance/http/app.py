@@ -29,6 +29,7 @@ from appliance.errors import ApplianceError, StartupError
 from appliance.http.affinity import AffinityHeaders, appliance_instance
 from appliance.http.assets import web_dir
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
+from appliance.http.headwrite import HeldHeadTransport
 from appliance.http.openai_schema import MAX_BODY_BYTES
 from appliance.http.security import Guard, shown
 from appliance.protocol import paging
@@ -201,7 +202,9 @@ class GuardedH11Protocol(H11Protocol):
     * a request h11 cannot parse, or with a body chunk larger than the largest body accepted
       (:data:`~appliance.http.openai_schema.MAX_BODY_BYTES`), gets a P4 ``BAD_REQUEST`` at once, its body unread;
     * an idle keep-alive connection closes after ``http.keep_alive_timeout_s`` (uvicorn's timer, set per
-      connection from the current config).
+      connection from the current config);
+    * a response's head leaves with the first write that follows it in the same event-loop step
+      (:class:`~appliance.http.headwrite.HeldHeadTransport`): a small response is one socket write.
     """
 
     def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
@@ -237,6 +240,12 @@ class GuardedH11Protocol(H11Protocol):
                 self._arm_request_timer()  # the first bytes of the next request
         else:
             self._disarm_request_timer()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:  # a request began: its response gets one write
+            self.cycle.transport = HeldHeadTransport(self.transport, self.loop)  # type: ignore[assignment]
 
     def _refuse(self, data: bytes) -> None:
         """Read the refused connection's request head, answer 503 TOO_MANY_CONNECTIONS and close."""

@@ -22,7 +22,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -379,6 +379,7 @@ class ApplianceMetrics:
     def __init__(self, appliance: Appliance) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(DaemonCollector(appliance))
+        self.children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}  # series(): the labelled series
         labels = ["model", "surface"]
         self.requests = Counter("appliance_requests", "Generation requests by model, surface and outcome "
                                 "(ok, error, cancelled).", [*labels, "outcome"], registry=self.registry)
@@ -402,17 +403,26 @@ class ApplianceMetrics:
             return
         try:
             labels = (record.model, record.surface)
-            self.requests.labels(*labels, record.outcome).inc()
-            self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
-            self.generation_tokens.labels(*labels).inc(record.generated_tokens)
+            self.series(self.requests, *labels, record.outcome).inc()
+            self.series(self.prompt_tokens, *labels).inc(record.prompt_tokens)
+            self.series(self.generation_tokens, *labels).inc(record.generated_tokens)
             if record.outcome == "ok":
-                self.latency.labels(*labels).observe(record.elapsed_s)
+                self.series(self.latency, *labels).observe(record.elapsed_s)
             if record.ttft_s is not None:
-                self.ttft.labels(*labels).observe(record.ttft_s)
+                self.series(self.ttft, *labels).observe(record.ttft_s)
             if record.plan is not None:  # the request reached a context
-                self.by_plan.labels(record.model, record.plan).inc()
+                self.series(self.by_plan, record.model, record.plan).inc()
         except Exception:
             log.exception("metrics: a request record could not be counted")
+
+    def series(self, metric: Counter | Histogram, *values: str) -> Any:
+        """``metric.labels(*values)``: looked up in the registry once per metric and label values, then kept (every
+        request counts in a few series; prometheus_client's lookup takes a lock and converts every value)."""
+        key = (metric, values)
+        found = self.children.get(key)
+        if found is None:
+            found = self.children[key] = metric.labels(*values)
+        return found
 
 
 _BY_DAEMON: weakref.WeakKeyDictionary[Daemon, ApplianceMetrics] = weakref.WeakKeyDictionary()

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
@@ -59,6 +59,7 @@ from appliance.engine.interface import Generation, Grammar, Prompt, PromptText, 
 from appliance.engine.reply import ReplyEvent, ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as schema
+from appliance.http import sse
 from appliance.http.affinity import note_run
 from appliance.http.errors import error_body
 from appliance.http.jsonreply import JSONReply
@@ -499,30 +500,30 @@ class CompletionShape(Shape):
 
 
 async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
-    """The SSE body: the opening chunk, the chunks of each batch of tokens, the last chunks, the usage chunk
-    (``include_usage``) and ``[DONE]``; an error after the start is one ``data: {"error": ...}`` event. If the client
-    goes away (Starlette cancels this generator), the generation is cancelled."""
+    """The SSE body, one bytes object per write: the opening chunk, the chunks of each batch of tokens, the last
+    chunks, the usage chunk (``include_usage``) and ``[DONE]``; an error after the start is one
+    ``data: {"error": ...}`` event. Everything queued at a wake-up is one write (:func:`sse.deliveries`): the opening
+    goes with the first tokens, and the end (last chunks, usage, ``[DONE]``) with whatever came just before it. If
+    the stream stops early (its client left), the generation is cancelled."""
     try:
-        for opening in shape.opening():
-            yield opening
-        item = first
-        while item is not END:
-            if item is PING:
-                yield PING
-            else:
-                for chunk in shape.tokens(item):
-                    yield chunk
-            item = await run.queue.get()
+        out = shape.opening()
+        async for items, last in sse.deliveries(run.queue, first, END):
+            for item in items:
+                out.extend((PING,) if item is PING else shape.tokens(item))
+            if out and not last:
+                yield b"".join(out)
+                out = []
         try:
             done = outcome(run.task)
         except ApplianceError as exc:
-            yield schema.event(error_body(exc))
+            out.append(schema.event(error_body(exc)))
+            yield b"".join(out)
             return
-        for chunk in shape.finish(done):
-            yield chunk
+        out.extend(shape.finish(done))
         if shape.include_usage:
-            yield shape.usage(done)
-        yield schema.event("[DONE]")
+            out.append(shape.usage(done))
+        out.append(schema.event("[DONE]"))
+        yield b"".join(out)
     finally:
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
@@ -549,8 +550,7 @@ async def respond(request: Request, run: Run, shape: Shape, plain: Any) -> Respo
         await run.watch(request, run.task)
         return JSONReply(plain(outcome(run.task)))
     first = await first_batch(request, run)
-    return StreamingResponse(events(run, first, shape), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.EventStream(events(run, first, shape), run.cancel.set)
 
 
 # -- routes --------------------------------------------------------------------------------------------------------

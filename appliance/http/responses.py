@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
@@ -42,6 +42,7 @@ from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import openai_schema as chat_schema
 from appliance.http import responses_schema as schema
+from appliance.http import sse
 from appliance.http.errors import error_body
 from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
@@ -238,27 +239,29 @@ async def stream(request: Request, daemon: Daemon, turn: Turn, run: Run, first: 
     ``response.completed`` (or ``incomplete``); an error after the start is one ``error`` event."""
     try:
         opening = turn.document("in_progress", None)
-        yield schema.event({"type": "response.created", "response": opening, "sequence_number": 0})
-        yield schema.event({"type": "response.in_progress", "response": opening, "sequence_number": 1})
-        item = first
-        while item is not END:
-            if item is PING:
-                yield PING
-            else:
-                for payload in turn.feed(token_text(item)):
-                    yield schema.event(payload)
-            item = await run.queue.get()
+        out = [schema.event({"type": "response.created", "response": opening, "sequence_number": 0}),
+               schema.event({"type": "response.in_progress", "response": opening, "sequence_number": 1})]
+        async for items, last in sse.deliveries(run.queue, first, END):  # what is ready together: one write
+            for item in items:
+                if item is PING:
+                    out.append(PING)
+                else:
+                    out.extend(schema.event(payload) for payload in turn.feed(token_text(item)))
+            if out and not last:
+                yield b"".join(out)
+                out = []
         try:
             done = outcome(run.task)
         except ApplianceError as exc:
-            yield schema.event(schema.error_event(error_body(exc), turn.output.sequence))
+            out.append(schema.event(schema.error_event(error_body(exc), turn.output.sequence)))
+            yield b"".join(out)
             return
-        for payload in turn.finish(done):
-            yield schema.event(payload)
+        out.extend(schema.event(payload) for payload in turn.finish(done))
         document = turn.completed(done)
         await remember(request, daemon, turn, run, document)
         kind = "response.completed" if document["status"] == "completed" else "response.incomplete"
-        yield schema.event({"type": kind, "response": document, "sequence_number": turn.output.sequence})
+        out.append(schema.event({"type": kind, "response": document, "sequence_number": turn.output.sequence}))
+        yield b"".join(out)
     finally:
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
@@ -314,8 +317,7 @@ async def create_response(request: Request) -> Response:
     except BaseException:
         release_unstored(request, daemon, turn, run)
         raise
-    return StreamingResponse(stream(request, daemon, turn, run, first), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.EventStream(stream(request, daemon, turn, run, first), run.cancel.set)
 
 
 async def get_response(request: Request) -> JSONResponse:

@@ -32,14 +32,16 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
+from starlette.requests import Request, cookie_parser
 from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -205,23 +207,73 @@ def session_value(secret: bytes, token: str) -> str:
     return hmac.new(secret, token.encode(), hashlib.sha256).hexdigest()
 
 
-def bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+class HeadHeaders(Mapping[str, str]):
+    """A request's headers by lower-cased name, the first of repeated ones (as starlette's ``Headers.get``), each
+    value decoded only when it is read: the :class:`Guard` reads a few of them."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = dict(reversed(raw))  # the first of a repeated name is the last assignment, so it stays
+
+    def __getitem__(self, name: str) -> str:
+        return self.raw[name.encode("latin-1")].decode("latin-1")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.raw.get(name.encode("latin-1"))
+        if value is None:
+            return default
+        return value.decode("latin-1")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.encode("latin-1") in self.raw
+
+    def __iter__(self) -> Iterator[str]:
+        return (name.decode("latin-1") for name in self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+class RequestHead:
+    """What the :class:`Guard` reads of a request, from its ASGI scope: ``path`` as the router matches it, its
+    headers (:class:`HeadHeaders`), its cookies (every ``Cookie`` header, as starlette's ``Request.cookies``) and
+    the address and port its connection arrived on."""
+
+    __slots__ = ("scope", "method", "path", "headers", "arrived_on", "port")
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.headers = HeadHeaders(scope["headers"])
+        self.arrived_on, self.port = local_address(scope)
+
+    def cookie(self, name: str) -> str | None:
+        cookies: dict[str, str] = {}
+        for raw_name, raw_value in self.scope["headers"]:
+            if raw_name == b"cookie":
+                cookies.update(cookie_parser(raw_value.decode("latin-1")))
+        return cookies.get(name)
+
+
+def bearer(head: RequestHead) -> str | None:
+    header = head.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "bearer" or not value:
         return None
     return value.strip()
 
 
-def authorized(request: Request, token: str, secret: bytes, cookie_counts: bool = True) -> bool:
+def authorized(head: RequestHead, token: str, secret: bytes, cookie_counts: bool = True) -> bool:
     """The request carries ``token`` (bearer, or the ``x-api-key`` header of Anthropic's clients) or, where
     ``cookie_counts``, a session cookie made for it; constant-time comparisons."""
-    for given in (bearer(request), request.headers.get(API_KEY_HEADER)):
+    for given in (bearer(head), head.headers.get(API_KEY_HEADER)):
         if given and hmac.compare_digest(given.strip().encode(), token.encode()):
             return True
     if not cookie_counts:
         return False
-    cookie = request.cookies.get(SESSION_COOKIE)
+    cookie = head.cookie(SESSION_COOKIE)
     return cookie is not None and hmac.compare_digest(cookie.encode(), session_value(secret, token).encode())
 
 
@@ -233,53 +285,67 @@ def local_address(scope: Scope) -> tuple[str | None, int | None]:
     return server[0], server[1]
 
 
-def cross_origin(request: Request, rule: HostRule) -> bool:
+HOST_DECISIONS = 256
+"""How many (rule, ``Host``, local address) triples :func:`host_accepted` remembers."""
+
+
+@functools.lru_cache(maxsize=HOST_DECISIONS)
+def host_accepted(rule: HostRule, host: str | None, arrived_on: str | None) -> bool:
+    """``rule`` lets a request with this ``Host`` header through (:meth:`HostRule.refusal` is None), remembered: a
+    client sends the same ``Host`` on every request, and parsing it is most of the Guard's work."""
+    return rule.refusal(host, arrived_on) is None
+
+
+def shown_path(path: str) -> str:
+    """``path`` as an error's details show it: as starlette's ``request.url.path`` spells it."""
+    return path.replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
+
+
+def cross_origin(head: RequestHead, rule: HostRule) -> bool:
     """A browser says the request comes from another origin (``Sec-Fetch-Site: cross-site``, the opaque ``null``
     origin, or an ``Origin`` that :meth:`HostRule.origin_allowed` refuses). Clients that send neither pass."""
-    if request.headers.get("sec-fetch-site") == "cross-site":
+    if head.headers.get("sec-fetch-site") == "cross-site":
         return True
-    origin = request.headers.get("origin")
+    origin = head.headers.get("origin")
     if origin is None:
         return False
-    arrived_on, port = local_address(request.scope)
-    return not rule.origin_allowed(origin, port, request.headers.get("host"), arrived_on)
+    return not rule.origin_allowed(origin, head.port, head.headers.get("host"), head.arrived_on)
 
 
-def wants_page(request: Request) -> bool:
+def wants_page(head: RequestHead) -> bool:
     """A browser asking for an admin page (a GET that accepts HTML): sent to the login form, not a JSON 401."""
-    return (request.method == "GET" and request.url.path.startswith("/admin")
-            and "text/html" in request.headers.get("accept", ""))
+    return head.method == "GET" and head.path.startswith("/admin") and "text/html" in head.headers.get("accept", "")
 
 
-def refusal(request: Request, appliance: Appliance) -> ApplianceError | None:
-    """Why ``request`` is refused, or None to let it through (see the module docstring)."""
-    path = request.url.path
-    rule = HostRule.of(appliance.config.http)
-    misaddressed = rule.refusal(request.headers.get("host"), local_address(request.scope)[0])
-    if misaddressed is not None:
-        return misaddressed
-    if cors.is_preflight(request.method, request.headers):
-        return None  # answered by the Guard (preflight_response): browsers send no credentials on one
-    foreign = cross_origin(request, rule)
+def refusal(head: RequestHead, appliance: Appliance) -> ApplianceError | None:
+    """Why the request is refused, or None to let it through (see the module docstring)."""
+    path = head.path
     http = appliance.config.http
+    rule = HostRule.of(http)
+    host = head.headers.get("host")
+    if not host_accepted(rule, host, head.arrived_on):
+        return rule.refusal(host, head.arrived_on)
+    if cors.is_preflight(head.method, head.headers):
+        return None  # answered by the Guard (preflight_response): browsers send no credentials on one
+    foreign = cross_origin(head, rule)
     token = http.api_token
-    if token and path != LOGIN_PATH and not scrape_allowed(request.method, path, http.scrape_without_token) and \
-            not authorized(request, token, appliance.session_secret, cookie_counts=not foreign):
+    if token and path != LOGIN_PATH and not scrape_allowed(head.method, path, http.scrape_without_token) and \
+            not authorized(head, token, appliance.session_secret, cookie_counts=not foreign):
         return ApplianceError("UNAUTHORIZED", "this appliance requires its API token: send "
                                               "'Authorization: Bearer <http.api_token>' or 'x-api-key: "
                                               "<http.api_token>' (or log in at /admin/login)",
-                              {"path": path})
-    if request.method not in UNSAFE_METHODS:
+                              {"path": shown_path(path)})
+    if head.method not in UNSAFE_METHODS:
         return None
-    origin = request.headers.get("origin")
+    origin = head.headers.get("origin")
     if foreign and not (origin is not None and cors.is_api(path) and cors_rule(appliance).allows(origin)):
         return ApplianceError("FORBIDDEN", "cross-origin request refused",
-                              {"path": path, "origin": shown(request.headers.get("origin", ""))})
+                              {"path": shown_path(path), "origin": shown(head.headers.get("origin", ""))})
     if path.startswith("/admin/") and path != LOGIN_PATH:
-        given = request.headers.get(CSRF_HEADER, "")
+        given = head.headers.get(CSRF_HEADER, "")
         if not hmac.compare_digest(given.encode(), appliance.csrf_token.encode()):
             return ApplianceError("FORBIDDEN", "missing or wrong CSRF token (reload the admin page)",
-                                  {"path": path, "header": "X-CSRF-Token"})
+                                  {"path": shown_path(path), "header": "X-CSRF-Token"})
     return None
 
 
@@ -293,12 +359,12 @@ def cors_rule(appliance: Appliance) -> cors.CorsRule:
     return cors.CorsRule(appliance.config.http.cors_origins)
 
 
-def preflight_response(request: Request, appliance: Appliance) -> Response:
+def preflight_response(head: RequestHead, request: Request, appliance: Appliance) -> Response:
     """A CORS preflight's answer: 204 with its headers, or the P4 error that says why it is refused."""
     try:
-        headers = cors_rule(appliance).preflight(request.url.path, request.headers["origin"],
-                                                 request.headers["access-control-request-method"],
-                                                 request.headers.get("access-control-request-headers", ""))
+        headers = cors_rule(appliance).preflight(head.path, head.headers["origin"],
+                                                 head.headers["access-control-request-method"],
+                                                 head.headers.get("access-control-request-headers", ""))
     except ApplianceError as error:
         return error_response(error, request)
     return Response(status_code=204, headers=dict(headers))
@@ -306,7 +372,8 @@ def preflight_response(request: Request, appliance: Appliance) -> Response:
 
 class Guard:
     """ASGI middleware: answer a refused request with its P4 error, a CORS preflight with its answer, pass the
-    others on; an API response to a page of an allowed origin gets the CORS headers."""
+    others on; an API response to a page of an allowed origin gets the CORS headers. A request it lets through
+    costs no starlette ``Request``: its head is read from the scope once (:class:`RequestHead`)."""
 
     def __init__(self, app: ASGIApp, appliance: Appliance) -> None:
         self.app = app
@@ -316,30 +383,35 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request = Request(scope)
-        error = refusal(request, self.appliance)
-        if error is None and cors.is_preflight(request.method, request.headers):
-            await preflight_response(request, self.appliance)(scope, receive, send)
+        head = RequestHead(scope)
+        error = refusal(head, self.appliance)
+        if error is None and cors.is_preflight(head.method, head.headers):
+            await preflight_response(head, Request(scope), self.appliance)(scope, receive, send)
             return
-        extra = cors.encoded(cors_rule(self.appliance).response_headers(request.url.path,
-                                                                       request.headers.get("origin")))
-        if extra:
-            send = with_headers(send, extra)
+        if self.appliance.config.http.cors_origins:
+            extra = cors.encoded(cors_rule(self.appliance).response_headers(head.path, head.headers.get("origin")))
+            if extra:
+                send = HeadersAdded(send, extra)
         if error is not None:
+            request = Request(scope)
             response: Response = error_response(error, request)
-            if error.code == "UNAUTHORIZED" and wants_page(request):
+            if error.code == "UNAUTHORIZED" and wants_page(head):
                 response = RedirectResponse(LOGIN_PATH, status_code=303)
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+class HeadersAdded:
     """``send`` that adds ``headers`` to the response's start."""
 
-    async def sender(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *headers]}
-        await send(message)
+    __slots__ = ("send", "headers")
 
-    return sender
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self.send = send
+        self.headers = headers
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *self.headers]}
+        await self.send(message)

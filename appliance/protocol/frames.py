@@ -150,6 +150,41 @@ def check_json(value: Any, path: str = "", depth: int = 1) -> None:
     ``None``, ints in [-2**63, 2**64 - 1], finite floats, at most :data:`MAX_JSON_DEPTH` deep. Such a value
     survives an encode/decode round trip unchanged. ``path`` names ``value`` in the error (``a.b[2]``).
     """
+    if not _is_strict_json(value, depth):  # the paths of the error are made only for a value that fails
+        _explain_json(value, path, depth)
+
+
+def _is_strict_json(value: Any, depth: int) -> bool:
+    """True when ``value`` of the plain JSON types (``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``,
+    ``None``; not their subclasses) passes :func:`check_json` at ``depth``; False for anything else, which
+    :func:`_explain_json` then judges (a subclass may pass)."""
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or _SURROGATE.search(value) is None
+    if kind is int:
+        return _INT_MIN <= value <= _INT_MAX
+    if kind is float:
+        return math.isfinite(value)
+    if value is None or kind is bool:
+        return True
+    if kind is dict:
+        if depth > MAX_JSON_DEPTH:
+            return False
+        for key, item in value.items():
+            if type(key) is not str or not (key.isascii() or _SURROGATE.search(key) is None):
+                return False
+            if not _is_strict_json(item, depth + 1):
+                return False
+        return True
+    if kind is list:
+        if depth > MAX_JSON_DEPTH:
+            return False
+        return all(_is_strict_json(item, depth + 1) for item in value)
+    return False
+
+
+def _explain_json(value: Any, path: str, depth: int) -> None:
+    """:func:`check_json` the slow way: the error names the path of the first value that fails."""
     if value is None or isinstance(value, bool):
         return
     if isinstance(value, str):
@@ -170,15 +205,15 @@ def check_json(value: Any, path: str = "", depth: int = 1) -> None:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise _bad_json(path, f"object key {key!r} is not a string")
-            check_json(key, path, depth)
+            _explain_json(key, path, depth)
             if path:
-                check_json(item, f"{path}.{key}", depth + 1)
+                _explain_json(item, f"{path}.{key}", depth + 1)
             else:
-                check_json(item, key, depth + 1)
+                _explain_json(item, key, depth + 1)
         return
     if isinstance(value, list):
         for index, item in enumerate(value):
-            check_json(item, f"{path}[{index}]", depth + 1)
+            _explain_json(item, f"{path}[{index}]", depth + 1)
         return
     raise _bad_json(path, f"{type(value).__name__} is not a JSON type")
 

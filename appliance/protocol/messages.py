@@ -266,16 +266,29 @@ def _check_timings(value: Any, name: str) -> dict[str, float]:
 # --- records ---------------------------------------------------------------------------------------------------------
 
 
+_SHAPES: dict[type, tuple[frozenset[str], tuple[str, ...]]] = {}
+
+
+def _shape(cls: type[_Record]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The field names of ``cls`` and, in their order, those without a default (read once per class)."""
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        declared = fields(cls)  # type: ignore[arg-type]
+        shape = (frozenset(f.name for f in declared),
+                 tuple(f.name for f in declared if f.default is MISSING and f.default_factory is MISSING))
+        _SHAPES[cls] = shape
+    return shape
+
+
 def _build(cls: type[_Record], data: dict[str, Any], name: str) -> Any:
     """``cls(**data)`` for a payload dict, with missing/unknown keys and inner errors named under ``name``."""
     prefix = f"{name}." if name else ""
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    known, required = _shape(cls)
     for key in data:
         if key not in known:
             _fail(f"{prefix}{key}", "unknown field")
-    for key, declared in known.items():
-        required = declared.default is MISSING and declared.default_factory is MISSING
-        if required and key not in data:
+    for key in required:
+        if key not in data:
             _fail(f"{prefix}{key}", "missing")
     try:
         return cls(**data)
@@ -283,15 +296,32 @@ def _build(cls: type[_Record], data: dict[str, Any], name: str) -> Any:
         _fail(f"{prefix}{exc.error.details['field']}", exc.error.details["reason"])
 
 
+FieldSpec = tuple[str, Check, bool, bool]
+"""A record field as the hot paths read it: its name, check, whether it may be null, whether null is left out."""
+_FIELD_SPECS: dict[type, tuple[FieldSpec, ...]] = {}
+
+
+def _field_specs(record: Any) -> tuple[FieldSpec, ...]:
+    """The fields of ``record``'s class, read from its dataclass fields once per class (every frame sent or
+    received builds records: ``dataclasses.fields`` and the metadata look-ups per record were a share of it)."""
+    kind = type(record)
+    specs = _FIELD_SPECS.get(kind)
+    if specs is None:
+        specs = tuple((declared.name, declared.metadata["check"], declared.metadata["nullable"],
+                       declared.metadata["omit_null"]) for declared in fields(record))
+        _FIELD_SPECS[kind] = specs
+    return specs
+
+
 def _dump(value: Any) -> Any:
     """The JSON value of a record field: records as dicts, tuples as lists."""
     if isinstance(value, _Record):
         dumped = {}
-        for declared in fields(value):  # type: ignore[arg-type]
-            item = getattr(value, declared.name)
-            if item is None and declared.metadata["omit_null"]:
+        for name, _, _, omit_null in _field_specs(value):
+            item = getattr(value, name)
+            if item is None and omit_null:
                 continue
-            dumped[declared.name] = _dump(item)
+            dumped[name] = _dump(item)
         return dumped
     if isinstance(value, tuple | list):
         return [_dump(item) for item in value]
@@ -304,12 +334,11 @@ class _Record:
     """Base of the frozen dataclasses here: runs each field's check, then :meth:`_validate`."""
 
     def __post_init__(self) -> None:
-        for declared in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, declared.name)
-            if value is None and declared.metadata["nullable"]:
+        for name, check, nullable, _ in _field_specs(self):
+            value = getattr(self, name)
+            if value is None and nullable:
                 continue
-            checked = declared.metadata["check"](value, declared.name)
-            object.__setattr__(self, declared.name, checked)
+            object.__setattr__(self, name, check(value, name))
         self._validate()
 
     def _validate(self) -> None:

@@ -2,8 +2,9 @@
 
 The conversation rules (framing, who sends what, tasks in flight, duplicate ``task_id``, late CANCEL) are the sans-IO
 :class:`~appliance.protocol.connection.Connection`; how a generation ends is :mod:`appliance.server.outcome`; the
-streaming of its tokens and heartbeats is :class:`~appliance.server.pump.TokenPump`. This module is the IO shell
-that joins them to the socket and the daemon.
+streaming of its tokens is :class:`~appliance.server.pump.TokenPump`; which requests owe a heartbeat is
+:mod:`appliance.server.heartbeat` (one timer per connection, not one per request). This module is the IO shell that
+joins them to the socket and the daemon.
 
 Chat (the same machinery as the OpenAI API's): an INFER_REQUEST's ``messages`` are rendered with the model's chat
 template into a :class:`~appliance.engine.interface.Prompt` (control tokens from the template only, never from a
@@ -62,6 +63,7 @@ from appliance.protocol.frames import (
     LocalProtocolError,
     RemoteProtocolError,
 )
+from appliance.server.heartbeat import beats_due
 from appliance.server.outcome import embed, error_of, generate
 from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings, unread_bytes
 from appliance.server.pump import TokenPump
@@ -107,9 +109,11 @@ def error_frame(error: ApplianceError, task_id: str | None) -> bytes:
 
 @dataclass(eq=False)
 class Task:
-    """One INFER_REQUEST in flight: its request, the event that stops its generation, and the job running it."""
+    """One INFER_REQUEST in flight: its request, the event that stops its generation, the job running it, and when
+    the last message for it was sent (its start, at first: the heartbeats count from there)."""
 
     request: m.InferRequest | m.EmbedRequest
+    last_sent: float
     cancel: threading.Event = field(default_factory=threading.Event)
     job: asyncio.Task[None] | None = None
 
@@ -125,7 +129,9 @@ class MagnSession:
 
     Several tasks may run at once, each an asyncio job, at most ``max_tasks_per_connection`` (more are refused with
     TOO_MANY_TASKS, the connection goes on); CANCEL, the client going away or the session ending sets the task's
-    cancel event, which stops its generation at the next token.
+    cancel event, which stops its generation at the next token. An INFER_REQUEST in flight gets a HEARTBEAT when
+    nothing was sent for it for ``heartbeat_interval_s``, from one timer for the whole connection
+    (:mod:`appliance.server.heartbeat`), armed while requests are in flight: a short request arms none.
 
     Bounds: a frame once started must arrive whole within ``socket.request_timeout_s`` and a connection with no task
     and no bytes for ``socket.idle_timeout_s`` is closed (:class:`~appliance.server.peer.ReadClock`; both with an
@@ -142,6 +148,8 @@ class MagnSession:
         self.clock = ReadClock(functools.partial(socket_settings, daemon))
         self._parsing = False  # a worker thread is in self.conn.next_event(): hold what we send
         self._held: list[m.Message] = []
+        self.loop = asyncio.get_running_loop()
+        self._beats: asyncio.TimerHandle | None = None  # the connection's heartbeat timer, while armed
 
     def _stall_timeout_s(self) -> float:
         return self.daemon.config.socket.stall_timeout_s
@@ -218,6 +226,9 @@ class MagnSession:
             for task in self.tasks.values():
                 task.cancel.set()
             await self._finish_tasks()
+            if self._beats is not None:
+                self._beats.cancel()
+                self._beats = None
 
     async def next_event(self) -> Event:
         """The connection's next event; a big frame is decoded on a worker thread so that the loop never waits
@@ -233,7 +244,11 @@ class MagnSession:
         return self.conn.next_event()
 
     async def flush(self) -> bool:
-        """Wait until the transport took what we wrote; False (connection aborted) if the client stopped reading."""
+        """Wait until the transport took what we wrote; False (connection aborted) if the client stopped reading.
+        When the socket took everything already (a short reply) there is nothing to wait for: no wait is made."""
+        transport = self.writer.transport
+        if not transport.get_write_buffer_size() and not transport.is_closing():
+            return True
         return await flush_within(self.writer, self._stall_timeout_s())
 
     async def _finish_tasks(self) -> None:
@@ -255,9 +270,11 @@ class MagnSession:
                     "TOO_MANY_TASKS", f"at most {limit} tasks in flight on one connection",
                     {"max_tasks_per_connection": limit}), message.task_id))
                 return
-            task = Task(message)
+            task = Task(message, self.loop.time())
             self.tasks[message.task_id] = task
             self.clock.busy(True)
+            if self._beats is None and isinstance(message, m.InferRequest):
+                self._beats = self.loop.call_at(task.last_sent + self._heartbeat_interval_s(), self._beat)
             task.job = asyncio.create_task(self.infer(task) if isinstance(message, m.InferRequest) else
                                            self.embed(message))
         elif isinstance(message, m.Cancel):
@@ -299,10 +316,11 @@ class MagnSession:
         request = task.request
         assert isinstance(request, m.InferRequest)
         task_id = request.task_id
-        pump = TokenPump(asyncio.get_running_loop(), functools.partial(self._deliver, task_id), cancel=task.cancel,
-                         heartbeat=functools.partial(self._heartbeat, task_id),
-                         heartbeat_interval_s=self._heartbeat_interval_s,
-                         backlog=functools.partial(unread_bytes, self.writer), stall_timeout_s=self._stall_timeout_s)
+        pump = None  # a request that streams nothing needs none (its heartbeats are the session's)
+        if request.stream:
+            pump = TokenPump(self.loop, functools.partial(self._deliver, task_id), cancel=task.cancel,
+                             backlog=functools.partial(unread_bytes, self.writer),
+                             stall_timeout_s=self._stall_timeout_s)
         replied = False
 
         def reply(result: DecodeResult) -> None:
@@ -310,13 +328,14 @@ class MagnSession:
             generation that stopped as cancelled, or a completion that cannot be made, is left to the error path
             below, which makes the same error again and sends it."""
             nonlocal replied
-            if result.generation.stop_reason == "cancelled" or pump.stalled:
+            if result.generation.stop_reason == "cancelled" or (pump is not None and pump.stalled):
                 return
             try:
                 end = completion(task_id, result, plan.fmt)
             except Exception:
                 return
-            pump.finish()  # every token before the end: nothing can follow it
+            if pump is not None:
+                pump.finish()  # every token before the end: nothing can follow it
             self.send(end)
             replied = True
             del self.tasks[task_id]  # answered: its slot and its task_id are free for the client's next request
@@ -325,15 +344,15 @@ class MagnSession:
         try:
             try:
                 plan = await self.plan(request)
-                with pump:  # on exit every token is delivered: nothing can follow the end
+                with pump or contextlib.nullcontext():  # on exit every token is delivered: nothing can follow the end
                     result = await generate(self.daemon, surface="magn", prompt=plan.prompt,
                                             max_tokens=request.max_tokens, sampling=sampling_of(request, plan.grammar),
                                             session_id=request.session_id, model=request.model,
-                                            on_token=pump.on_token if request.stream else None, cancel=task.cancel,
+                                            on_token=None if pump is None else pump.on_token, cancel=task.cancel,
                                             queue=("connection", id(self)), on_result=reply)
                 end: m.Message | None = None if replied else completion(task_id, result, plan.fmt)
             except Exception as exc:
-                error = self.stall_error(exc) if pump.stalled else error_of(exc)
+                error = self.stall_error(exc) if pump is not None and pump.stalled else error_of(exc)
                 end = None if replied else m.ErrorMessage.of(error, task_id)
                 if replied:  # nothing may follow its TASK_COMPLETE: what failed was bookkeeping after it
                     log.warning("task %s failed after its TASK_COMPLETE was sent: %s %s", task_id, error.code,
@@ -375,6 +394,9 @@ class MagnSession:
             return False
         messages = [m.StreamToken(task_id, token.text, token.id, token.timestamp, logprob_of(token))
                     for token in tokens]
+        task = self.tasks.get(task_id)
+        if task is not None:
+            task.last_sent = self.loop.time()
         if self._parsing:
             self._held.extend(messages)
             return True
@@ -382,8 +404,19 @@ class MagnSession:
         self.writer.write(b"".join(frames))
         return True
 
-    def _heartbeat(self, task_id: str) -> None:
-        self.send(m.Heartbeat(task_id, time.time()))
+    def _beat(self) -> None:
+        """The heartbeat timer fired: a HEARTBEAT for each INFER_REQUEST that had nothing sent for the interval,
+        then the timer is armed for the next one due (not at all once no INFER_REQUEST is in flight)."""
+        self._beats = None
+        last_sent = {task_id: task.last_sent for task_id, task in self.tasks.items()
+                     if isinstance(task.request, m.InferRequest)}
+        now = self.loop.time()
+        plan = beats_due(last_sent, now, self._heartbeat_interval_s())
+        for task_id in plan.now:
+            self.tasks[task_id].last_sent = now
+            self.send(m.Heartbeat(task_id, time.time()))
+        if plan.next_at is not None:
+            self._beats = self.loop.call_at(plan.next_at, self._beat)
 
     def _heartbeat_interval_s(self) -> float:
         return self.daemon.config.heartbeat_interval_s

@@ -130,7 +130,8 @@ async def read_within(reader: asyncio.StreamReader, clock: ReadClock, size: int)
     """Up to ``size`` bytes (``b""`` at end of stream), or None when ``clock`` says the connection timed out."""
     while True:
         try:
-            chunk = await asyncio.wait_for(reader.read(size), clock.timeout())
+            async with asyncio.timeout(clock.timeout()):  # one timer, not wait_for's task per read
+                chunk = await reader.read(size)
         except TimeoutError:
             if clock.expired() is not None:
                 return None

@@ -27,6 +27,11 @@ class MagnRaw(Contender):
         self.sock.connect(str(path))
         self.parser = FrameParser()
         self.ids = itertools.count(1)
+        self.sock.sendall(m.encode_message(m.ProtocolInfoRequest()))  # opened now: see AsyncMagnClient's
+        while (event := self.parser.next_event()) is NEED_DATA:
+            self.parser.receive_data(self.sock.recv(1 << 16))
+        if event is CLOSED or not isinstance(m.parse_message(event.payload), m.ProtocolInfo):
+            raise ConnectionError(f"the appliance did not answer PROTOCOL_INFO: {event}")
 
     def _run(self, prompt: str, n: int, stream: bool) -> Sample:
         start = time.perf_counter()
@@ -67,6 +72,9 @@ class MagnAsync(Contender):
     def __init__(self, path: Path) -> None:
         self.runner = asyncio.Runner()
         self.client = self.runner.run(AsyncMagnClient(str(path)).connect())
+        # A connection that sends nothing within socket.request_timeout_s is closed: the setup of the other paths
+        # and their warm-up before this one's first request can take longer than that on a busy box.
+        self.runner.run(self.client.protocol_info())
 
     async def _one(self, prompt: str) -> Sample:
         start = time.perf_counter()
@@ -105,6 +113,7 @@ class MagnBlocking(Contender):
 
     def __init__(self, path: Path) -> None:
         self.client = MagnClient(str(path), timeout=60)
+        self.client.protocol_info()  # opened now: see AsyncMagnClient's
 
     def one(self, prompt: str) -> Sample:
         start = time.perf_counter()

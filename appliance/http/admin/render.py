@@ -13,7 +13,6 @@ import functools
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
@@ -22,6 +21,8 @@ from appliance.http.admin import figures
 from appliance.http.assets import templates_dir
 
 if TYPE_CHECKING:
+    import jinja2
+
     from appliance.daemon.core import Daemon
 
 MAX_FORM_BYTES = 8192
@@ -48,6 +49,9 @@ CHANGED_EVENT = "appliance-changed"
 
 @functools.cache
 def environment() -> jinja2.Environment:
+    """Built on the first page a browser asks for (an appliance nobody administers never imports Jinja2)."""
+    import jinja2
+
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(templates_dir()), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["bytes"] = figures.format_bytes

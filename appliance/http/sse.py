@@ -1,0 +1,74 @@
+"""Server-sent events on the wire: what a generation has ready goes out in one write.
+
+A stream's events come from a queue its generation fills on the event loop (one item per delivery of tokens: every
+token of an engine step, a heartbeat, the end). :func:`ready` takes every item queued at a wake-up, so that the
+events they make are joined into one body message (one HTTP chunk, one socket write) rather than one write each;
+:class:`EventStream` is the ASGI response that writes those bodies, and watches the connection with one task (a
+client that leaves calls ``on_disconnect``: the generation is cancelled and its stream ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""An event stream's headers: no cache, and no buffering by a proxy in front (nginx)."""
+
+
+def ready(queue: asyncio.Queue[Any], first: Any) -> list[Any]:
+    """``first`` and every item queued behind it now, in order (nothing is awaited)."""
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+async def deliveries(queue: asyncio.Queue[Any], first: Any, end: object) -> AsyncIterator[tuple[list[Any], bool]]:
+    """The items of a stream's ``queue`` from ``first`` (already taken) up to ``end`` (left out), in lists of what
+    was queued together (:func:`ready`: one write's worth each), each with whether it is the last (``end`` came
+    with it: the stream's end can go in the same write)."""
+    items = ready(queue, first)
+    while end not in items:
+        yield items, False
+        items = ready(queue, await queue.get())
+    yield items[:items.index(end)], True
+
+
+async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    """Call ``on_disconnect`` when the client disconnects (the request body has been read: the next ASGI message
+    is the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+class EventStream(Response):
+    """An SSE response: each bytes object ``body`` yields is one body message (the events of one write), then the
+    end of the body. While it is written, one task watches the connection: a client that leaves calls
+    ``on_disconnect`` (the body is expected to end soon after: its generation is cancelled)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterable[bytes], on_disconnect: Callable[[], None]) -> None:
+        self.body_iterator = body
+        self.on_disconnect = on_disconnect
+        self.status_code = 200
+        self.background = None
+        self.init_headers(HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.create_task(watch_disconnect(receive, self.on_disconnect))
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.body_iterator:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        finally:
+            watcher.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

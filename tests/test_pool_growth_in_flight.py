@@ -1,0 +1,196 @@
+"""A hot pool grown while requests are in flight, on the real tiny model with flash attention off: the requests in
+flight are carried into the grown context at a step boundary (their cells, sampler and pending tokens) and end with
+exactly the tokens they would have produced without the growth, each streamed once and in order; in the daemon the
+requests that waited for cells start in the grown pool while the first ones still decode, and the ledger holds the
+grown pool's figure."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.config.validate import parse_config
+from appliance.daemon.core import Daemon, context_key
+from appliance.daemon.devices import FakeDevice
+from appliance.engine.adaptive import INITIAL_POOL, Tuning
+from appliance.engine.interface import GREEDY, Conversation, Sampling, Token
+from appliance.engine.runtime import Engine, Runtime
+from appliance.engine.slots import Request
+
+SMALL = 256
+GROWN = 512
+SEEDED = Sampling(temperature=0.9, top_k=0, seed=7)
+"""A sampled request: its random stream must go on where it was (a sampler rebuilt from its seed would repeat it)."""
+JOBS = (("The quick brown fox jumps over the lazy dog", 40, GREEDY),
+        ("Once upon a time in a land far away there lived", 40, SEEDED),
+        ("one two three four five six seven", 24, GREEDY))
+
+
+class Streamed:
+    """One request's streamed tokens, as its client sees them."""
+
+    def __init__(self) -> None:
+        self.tokens: list[Token] = []
+
+    def __call__(self, token: Token) -> None:
+        self.tokens.append(token)
+
+
+def runtime_of(model: Path, pool: int) -> Runtime:
+    return Runtime(model, n_ctx=2048, n_gpu_layers=0, n_threads=1, live_slots=4, flash_attention=False,
+                   tuning=Tuning(pool, "S", 1))
+
+
+def start_all(runtime: Runtime) -> tuple[list[Request], list[Streamed]]:
+    streams = [Streamed() for _ in JOBS]
+    requests = []
+    for (prompt, n_tokens, sampling), stream in zip(JOBS, streams, strict=True):
+        request = runtime.begin(Conversation(), prompt, n_tokens, sampling, on_token=stream)
+        assert isinstance(request, Request)
+        requests.append(request)
+    return requests, streams
+
+
+def run_out(runtime: Runtime, requests: list[Request]) -> None:
+    while not all(request.done for request in requests):
+        runtime.step()
+
+
+def without_growth(model: Path) -> list[tuple[int, ...]]:
+    runtime = runtime_of(model, SMALL)
+    try:
+        requests, _ = start_all(runtime)
+        run_out(runtime, requests)
+        return [request.generation.tokens for request in requests if request.generation is not None]
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("how", ["beside", "rebuild"])
+@pytest.mark.parametrize("steps_before", [0, 1, 9])
+def test_requests_in_flight_go_on_in_the_grown_pool_with_the_same_tokens(tiny_model: Path, how: str,
+                                                                         steps_before: int) -> None:
+    """Grown before the prompts were evaluated (0 steps), right after (1) or mid-generation (9); built beside the
+    live context then swapped in, or rebuilt in its place (the live one freed first)."""
+    expected = without_growth(tiny_model)
+    runtime = runtime_of(tiny_model, SMALL)
+    try:
+        requests, streams = start_all(runtime)
+        for _ in range(steps_before):
+            runtime.step()
+        assert not any(request.done for request in requests)
+        before = runtime.context
+        if how == "beside":
+            runtime.prepare(Tuning(GROWN, "S", 1))
+            parked = runtime.switch(carry=True)
+        else:
+            parked = runtime.rebuild(Tuning(GROWN, "S", 1), carry=True)
+        assert parked == []
+        assert runtime.context is not before and runtime.pool_cells == GROWN
+        assert len(runtime.slots.requests) == len(JOBS)  # still in flight, in the grown context
+        run_out(runtime, requests)
+        for request, stream, tokens in zip(requests, streams, expected, strict=True):
+            assert request.error is None and request.generation is not None
+            assert request.generation.tokens == tokens  # nothing lost, repeated or sampled differently
+            assert [token.index for token in stream.tokens] == list(range(len(tokens)))
+            assert tuple(token.id for token in stream.tokens) == tokens
+            assert "".join(token.text for token in stream.tokens) == request.generation.text
+        conv = requests[0].conv
+        assert runtime.slots.holds(conv) and conv.n_evaluated == len(conv.tokens) - 1  # its cells came along
+        assert runtime.generate(conv, " and then", 4).generated_tokens == 4
+    finally:
+        runtime.close()
+
+
+def test_a_switch_without_carry_still_waits_for_the_requests_in_flight(tiny_model: Path) -> None:
+    runtime = runtime_of(tiny_model, SMALL)
+    try:
+        requests, _ = start_all(runtime)
+        runtime.step()
+        runtime.prepare(Tuning(GROWN, "S", 1))
+        assert runtime.switch() is None and runtime.pool_cells == SMALL
+        assert runtime.rebuild(Tuning(GROWN, "S", 1)) is None and runtime.pool_cells == SMALL
+        run_out(runtime, requests)
+        assert runtime.switch() == [] and runtime.pool_cells == GROWN
+    finally:
+        runtime.close()
+
+
+AGENTS = 8
+LONG = 4
+LONG_TOKENS = 96
+LATE_TOKENS = 16
+
+
+def config_for(tmp_path: Path, model: Path) -> object:
+    text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(model.parent)],
+            "engine": {"warmup_runs": 0, "live_slots": AGENTS, "threads": 1, "flash_attention": False},
+            "models": [{"name": "m", "path": str(model), "n_ctx": 2048}]}
+    return parse_config(yaml.safe_dump(text), base_dir=tmp_path)
+
+
+def prompt(agent: int) -> str:
+    return " ".join(f"agent{agent} word{n}" for n in range(6))
+
+
+def solo_texts(model: Path) -> list[str]:
+    runtime = Runtime(model, n_ctx=2048, n_gpu_layers=0, n_threads=1, live_slots=1, flash_attention=False)
+    try:
+        return [runtime.generate(Conversation(), prompt(agent), LONG_TOKENS if agent < LONG else LATE_TOKENS).text
+                for agent in range(AGENTS)]
+    finally:
+        runtime.close()
+
+
+def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_path: Path, tiny_model: Path) -> None:
+    """4 long requests fill most of the 512-cell pool; 4 more arrive while they decode and wait for cells: the pool
+    grows at once, the 4 late ones start in it and get their first token before any long one ends; every text is its
+    solo text; the ledger holds the grown pool's figure."""
+    solo = solo_texts(tiny_model)
+
+    async def scenario() -> None:
+        daemon = Daemon(config_for(tmp_path, tiny_model), FakeDevice(8 * 2**30), Engine(1))
+        try:
+            await daemon.complete("m", 1, "Hello")  # loaded
+            model = daemon.models["m"]
+            runtime = model.runtime
+            assert runtime is not None and runtime.pool_cells == INITIAL_POOL
+            streams = [Streamed() for _ in range(AGENTS)]
+            started = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def on_long_token(stream: Streamed, token: Token) -> None:  # engine thread
+                stream(token)
+                if all(s.tokens for s in streams[:LONG]):
+                    loop.call_soon_threadsafe(started.set)
+
+            longs = [asyncio.ensure_future(daemon.complete("m", LONG_TOKENS, prompt(agent),
+                                                           on_token=functools.partial(on_long_token, streams[agent]),
+                                                           queue=("client", agent))) for agent in range(LONG)]
+            await started.wait()
+            assert runtime.pool_cells == INITIAL_POOL and len(runtime.slots.requests) == LONG
+            lates = [asyncio.ensure_future(daemon.complete("m", LATE_TOKENS, prompt(agent), on_token=streams[agent],
+                                                           queue=("client", agent))) for agent in range(LONG, AGENTS)]
+            results = await asyncio.gather(*longs, *lates)
+            if model.retuning is not None:
+                await model.retuning
+            ended = [stream.tokens[-1].timestamp for stream in streams[:LONG]]
+            firsts = [stream.tokens[0].timestamp for stream in streams[LONG:]]
+            assert max(firsts) < min(ended)  # the late ones started before the first ones ended
+            assert [result.generation.text for result in results] == solo
+            for result, stream in zip(results, streams, strict=True):
+                tokens = result.generation.tokens
+                assert [token.index for token in stream.tokens] == list(range(len(tokens)))
+                assert tuple(token.id for token in stream.tokens) == tokens
+            grown = runtime.pool_cells
+            assert grown > INITIAL_POOL and daemon.adaptive.switches == 1
+            assert daemon.ledger.reservations()[context_key("m")] == daemon.adaptive.context_bytes(model, grown)
+            assert daemon.adaptive.draining == set()
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())

@@ -41,6 +41,7 @@ import copy
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,7 +78,7 @@ class Owner(Protocol):
     counters: dict[str, int]
     closing: bool
 
-    def fit_host_kv(self) -> list[str]: ...
+    def fit_host_kv(self, reserve: int = 0) -> list[str]: ...
 
 
 def read_cpu() -> tuple[tuple[int, ...], int]:
@@ -108,6 +109,32 @@ def warmup_prompt(index: int) -> str:
     words = WARMUP_WORDS[index % len(WARMUP_WORDS)]
     return " ".join(f"warm{n % 10}" for n in range(words))
 
+
+def fitted(daemon: Any, move: Callable[..., list[Conversation] | None], *args: Any,
+           **kwargs: Any) -> tuple[list[Conversation] | None, list[str]]:
+    """On the engine thread: ``move`` (a context switch or rebuild, which may park conversations in host RAM), then
+    the host KV fitted to its budget in the same job (``daemon.fit_host_kv``), so that nothing reads the parked
+    states over ``host_kv_budget`` between the two. Returns what ``move`` returned (None: nothing changed) and the
+    agents whose parked state was dropped."""
+    parked = move(*args, **kwargs)
+    if parked is None:
+        return None, []
+    return parked, daemon.fit_host_kv()
+
+
+
+def rebuilt(daemon: Any, runtime: Any, wanted: Tuning, *, carry: bool) -> tuple[list[Conversation] | None, list[str]]:
+    """On the engine thread: ``runtime.rebuild`` (:func:`fitted`), host RAM first made room in for the states of the
+    idle conversations it parks (their exact sizes), so that the parked states never pass ``host_kv_budget``, not
+    even between the park and the fit."""
+    slots = runtime.slots
+    dropped: list[str] = []
+    if runtime.context is not None and (carry or not slots.busy):
+        idle = [seq_id for seq_id in list(slots.holders) if seq_id not in slots.requests]
+        reserve = sum(slots.context.state_size(seq_id) for seq_id in idle)
+        dropped = daemon.fit_host_kv(reserve)
+    parked, more = fitted(daemon, runtime.rebuild, wanted, carry=carry)
+    return parked, dropped + more
 
 class AdaptiveLoop:
     """Samples, decides and applies for every model of ``daemon`` (module docstring). Event loop only."""
@@ -382,13 +409,12 @@ class AdaptiveLoop:
                 if self.tuner(model).held_floor() > wanted.pool_cells:
                     return False  # more requests wait for cells than it was built for: the next retune builds it
                 if grow or not runtime.slots.busy:  # a grown pool takes the requests in flight with it
-                    parked = await daemon.engine.call(runtime.switch, carry=grow, queue=("tune", model.key))
+                    parked, dropped = await daemon.engine.call(fitted, daemon, runtime.switch, carry=grow,
+                                                               queue=("tune", model.key))
                     if parked is not None:
                         break
                 await asyncio.sleep(SWITCH_POLL_S)  # requests in flight: look again soon
-            if parked:
-                dropped = await daemon.engine.call(daemon.fit_host_kv, queue=("tune", model.key))
-                daemon.counters["host_kv_drops"] += len(dropped)
+            daemon.counters["host_kv_drops"] += len(dropped)
             switched = True
             self._installed(model, wanted, nbytes, parked)
             log.info("model %s: context now %d cells, plan %s (built in %.0f ms beside the live one)", model.key,
@@ -438,7 +464,8 @@ class AdaptiveLoop:
                     return False
                 try:
                     started = time.perf_counter()
-                    parked = await daemon.engine.call(runtime.rebuild, wanted, carry=drain, queue=("tune", model.key))
+                    parked, dropped = await daemon.engine.call(rebuilt, daemon, runtime, wanted, carry=drain,
+                                                               queue=("tune", model.key))
                 except BaseException:
                     daemon.ledger.release(key)
                     if runtime.has_context:
@@ -450,7 +477,6 @@ class AdaptiveLoop:
                 if not runtime.has_context:  # freed meanwhile (another model's context took its place): no key
                     return False
                 self.reserve(key, old)  # a request started meanwhile: the old figure until it ends
-            dropped = await daemon.engine.call(daemon.fit_host_kv, queue=("tune", model.key))
             daemon.counters["host_kv_drops"] += len(dropped)
             self._record(model, wanted, nbytes, parked)
             log.info("model %s: context now %d cells, plan %s (rebuilt in place in %.0f ms, %d conversations parked)",
@@ -488,7 +514,8 @@ class AdaptiveLoop:
             log.info("model %s: a %d-cell pool does not fit in the ledger now", model.key, wanted.pool_cells)
             return
         try:
-            parked = await self.daemon.engine.call(runtime.retune, wanted, queue=("tune", model.key))
+            parked, dropped = await self.daemon.engine.call(fitted, self.daemon, runtime.retune, wanted,
+                                                            queue=("tune", model.key))
         except BaseException:
             self.daemon.ledger.release(key)
             raise
@@ -496,9 +523,7 @@ class AdaptiveLoop:
             self.daemon.ledger.release(key)
             model.pending = wanted
             return
-        if parked:
-            dropped = await self.daemon.engine.call(self.daemon.fit_host_kv, queue=("tune", model.key))
-            self.daemon.counters["host_kv_drops"] += len(dropped)
+        self.daemon.counters["host_kv_drops"] += len(dropped)
         self._installed(model, wanted, nbytes, parked)
         log.info("model %s: context rebuilt inline: %d cells, plan %s", model.key, wanted.pool_cells, wanted.plan)
 

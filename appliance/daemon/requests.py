@@ -288,9 +288,9 @@ class Requests(DaemonBase):
             restoring = conv.nbytes if conv.where == "host" else 0
             started = time.perf_counter()
 
-            def before_park(parking: Conversation) -> None:  # make room in host RAM for the state it parks
-                reserve = hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
-                                                 buffer_bytes(parking))
+            def before_park(parking: Conversation, state_bytes: int) -> None:  # room in host RAM for its state
+                reserve = max(state_bytes, hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
+                                                                  buffer_bytes(parking)))
                 dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
 
             request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
@@ -505,9 +505,10 @@ class Requests(DaemonBase):
         configured = self.config.host_kv_budget
         return hostkv.auto_budget(self.physical_memory) if configured is None else configured
 
-    def fit_host_kv(self) -> list[str]:
-        """:meth:`_fit_host_kv` for every agent, after the adaptive loop parked some (engine thread)."""
-        return self._fit_host_kv(list(self.agents.copy().values()))
+    def fit_host_kv(self, reserve: int = 0) -> list[str]:
+        """:meth:`_fit_host_kv` for every agent, after the adaptive loop parked some, or before, ``reserve`` bytes
+        kept free for the states it is about to park (engine thread)."""
+        return self._fit_host_kv(list(self.agents.copy().values()), reserve=reserve)
 
     def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
                      attaching: Conversation | None = None) -> list[str]:

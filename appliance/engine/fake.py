@@ -416,7 +416,7 @@ class FakeRuntime(SlotRuntime):
     def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None,
+              before_park: Callable[[Conversation, int], None] | None = None,
               cold: bool = False) -> Request | ColdNeeded | None:
         self._check()
         holder = self.cold if self.cold is not None and self.cold.holds(conv) else self.slots

@@ -279,7 +279,7 @@ class RuntimeProtocol(Protocol):
     def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = ..., *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Any], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None, cold: bool = False) -> Any:
+              before_park: Callable[[Conversation, int], None] | None = None, cold: bool = False) -> Any:
         """Start a request (:meth:`appliance.engine.slots.SlotRuntime.begin`): the request, None when it must wait
         for a sequence, or :class:`~appliance.engine.slots.ColdNeeded` when it is longer than the hot pool (then
         begin it again with ``cold`` once :meth:`open_cold` made room)."""

@@ -203,10 +203,11 @@ class Slots:
     def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None) -> Request | None:
+              before_park: Callable[[Conversation, int], None] | None = None) -> Request | None:
         """Start a request: ``conv`` continues with ``prompt`` and up to ``n_tokens`` tokens. None when every
         sequence or the cells it needs are held by requests in flight (ask again after a :meth:`step` ended one).
-        ``before_park`` is told of each conversation about to be parked for it (to make room in host RAM first).
+        ``before_park`` is told of each conversation about to be parked for it and the bytes its state will take
+        (to make room in host RAM first).
         Refusals (``BAD_REQUEST``, ``CONTEXT_OVERFLOW``) change nothing.
 
         A :class:`~appliance.engine.interface.Prompt` with ``history`` is the conversation's whole text: the
@@ -276,7 +277,7 @@ class Slots:
         return b"".join(self.vocabulary.piece(t) for t in conv.tokens[-4:])
 
     def _seat(self, conv: Conversation, need: int, evicted: list[Conversation],
-              before_park: Callable[[Conversation], None] | None) -> int | None:
+              before_park: Callable[[Conversation, int], None] | None) -> int | None:
         """The sequence ``conv`` holds, or a free one for it, with room for ``need`` cells: idle conversations are
         parked (least recently used first, added to ``evicted``) as needed. None when requests in flight hold what
         it needs."""
@@ -286,7 +287,7 @@ class Slots:
             if victim is None:
                 return None
             if before_park is not None:
-                before_park(self.holders[victim])
+                before_park(self.holders[victim], self.context.state_size(victim))
             evicted.append(self._park(victim))
         return own if own is not None else self._free_seq()
 
@@ -866,7 +867,7 @@ class SlotRuntime(RequestRunner):
     def begin(self, conv: Conversation, prompt: PromptText, n_tokens: int, sampling: Sampling = GREEDY, *,
               on_token: Callable[[Token], None] | None = None, cancelled: Callable[[], bool] | None = None,
               on_done: Callable[[Request], None] | None = None, ephemeral: bool = False,
-              before_park: Callable[[Conversation], None] | None = None,
+              before_park: Callable[[Conversation, int], None] | None = None,
               cold: bool = False) -> Request | ColdNeeded | None:
         """Start a request (:meth:`Slots.begin`) in the hot pool, or with ``cold`` in the cold context (opened
         before). :class:`ColdNeeded` when it is longer than the hot pool; None when it must wait."""

@@ -20,12 +20,14 @@ Each agent's prompt is chosen so that its greedy continuation is 64 tokens of pl
 a multi-byte character), computed alone in-process first; every streamed text is compared with it.
 
 For each N, every path gets a fresh server (so its peak RSS is its own) and two untimed warm-up requests; then
-rounds, each path in a fresh random order running one burst of the N agents (new agent names each round, so no
-prompt is found in a cache). A round during which other processes used more than 10 % of the box's CPU (``/proc/stat``
-less this process's and the servers' ``/proc/<pid>/stat`` ticks) is dropped and re-run, up to ``--max-reruns``
-times; with fewer than ``--rounds`` (3) clean rounds the HEADLINE says NOISY. Per path and N, over the kept rounds:
-aggregate tokens/s (every streamed token / wall time from the first request sent to the last token; the median),
-TTFT P50/P99 (client side, over every agent of every round) and the server process's peak RSS (VmHWM).
+rounds, each path in a fresh random order running one burst of the N agents (new agent names and new prompts each
+round: the appliance shares token prefixes between conversations, so a prompt sent again would be found in its cache
+and only the first round would evaluate its prompts, while llama-server runs with ``cache_prompt: false``). A round
+during which other processes used more than 10 % of the box's CPU (``/proc/stat`` less this process's and the
+servers' ``/proc/<pid>/stat`` ticks) is dropped and re-run, up to ``--max-reruns`` times; with fewer than
+``--rounds`` (3) clean rounds the HEADLINE says NOISY. Per path and N, over the kept rounds: aggregate tokens/s
+(every streamed token / wall time from the first request sent to the last token; the median), TTFT P50/P99 (client
+side, over every agent of every round) and the server process's peak RSS (VmHWM).
 
 Targets: on defaults, at least llama-server's tokens/s at every N and a TTFT P99 no worse than its; the appliance on
 defaults with 4 agents >= 1.6x itself one at a time, with 8 >= 2.0x; the adaptive engine (defaults) at least the
@@ -294,6 +296,15 @@ def stream_completion(base_url: str, body: dict[str, Any], result: Stream, start
     result.tokens = chunk_tokens if usage_tokens is None else usage_tokens
 
 
+def round_prompts(prompts: Sequence[AgentPrompt], attempt: int, n: int, per_round: int) -> Sequence[AgentPrompt]:
+    """The first ``n`` prompts of round ``attempt``'s own ``per_round`` (the largest N): no round sends a prompt an
+    earlier round sent."""
+    start = attempt * per_round
+    if start + n > len(prompts):
+        raise RuntimeError(f"round {attempt} needs prompts {start}-{start + n - 1}, only {len(prompts)} were made")
+    return prompts[start:start + n]
+
+
 def run_agents(base_url: str, kind: str, prompts: Sequence[AgentPrompt], max_tokens: int, tag: str) -> list[Stream]:
     """All agents stream at once, each on its own connection and thread, released together."""
     streams = [Stream() for _ in prompts]
@@ -328,19 +339,20 @@ def burst_figures(streams: Sequence[Stream]) -> tuple[float, float, list[float]]
     return sum(s.tokens for s in streams) / wall, wall, ttft_ms
 
 
-def summarize_bursts(bursts: Sequence[Sequence[Stream]], prompts: Sequence[AgentPrompt], max_tokens: int,
+def summarize_bursts(bursts: Sequence[Sequence[Stream]], prompts: Sequence[Sequence[AgentPrompt]], max_tokens: int,
                      peak_rss: int) -> dict[str, Any]:
     """One (path, N): the median over the rounds of each burst's aggregate tokens/s, TTFT P50/P99 over every agent
-    of every round, token counts and texts (against each agent's solo text)."""
+    of every round, token counts and texts (against each agent's solo text); ``prompts``: each burst's."""
     errors = [s.error for burst in bursts for s in burst if s.error is not None]
     entry: dict[str, Any] = {
-        "agents": len(prompts), "rounds": len(bursts), "tokens": [[s.tokens for s in burst] for burst in bursts],
+        "agents": len(prompts[0]), "rounds": len(bursts), "tokens": [[s.tokens for s in burst] for burst in bursts],
         "tokens_complete": not errors and all(s.tokens == max_tokens for burst in bursts for s in burst),
         "errors": errors, "peak_rss_bytes": peak_rss,
-        "texts_match_solo": [s.text == p.solo for burst in bursts for s, p in zip(burst, prompts, strict=True)],
+        "texts_match_solo": [s.text == p.solo for burst, sent in zip(bursts, prompts, strict=True)
+                             for s, p in zip(burst, sent, strict=True)],
         "texts_differing": [{"round": r, "agent": a, "text": s.text, "solo": p.solo}
-                            for r, burst in enumerate(bursts)
-                            for a, (s, p) in enumerate(zip(burst, prompts, strict=True)) if s.text != p.solo]}
+                            for r, (burst, sent) in enumerate(zip(bursts, prompts, strict=True))
+                            for a, (s, p) in enumerate(zip(burst, sent, strict=True)) if s.text != p.solo]}
     figures = [burst_figures(burst) for burst in bursts]
     if any(f is None for f in figures):
         entry.update({"tokens_per_s": None, "tokens_per_s_rounds": None, "wall_s_rounds": None, "ttft_ms": None,
@@ -429,8 +441,8 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
             for path in order:
                 time.sleep(SETTLE_S)
                 tag = f"{path.name}-{n}-r{attempt}"
-                bursts[path.name][attempt] = run_agents(servers[path.name].base_url, path.kind, prompts[:n],
-                                                        args.tokens, tag)
+                sent = round_prompts(prompts, attempt, n, max(args.agents))
+                bursts[path.name][attempt] = run_agents(servers[path.name].base_url, path.kind, sent, args.tokens, tag)
 
         def server_pids() -> list[int]:
             return [served.pid for served in servers.values()]
@@ -440,7 +452,9 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
         for path in paths:
             served = servers[path.name]
             kept = [bursts[path.name][attempt] for attempt in rounds["kept_attempts"]]
-            entry = summarize_bursts(kept, prompts[:n], args.tokens, peer.peak_rss_bytes(served.pid))
+            kept_prompts = [round_prompts(prompts, attempt, n, max(args.agents))
+                            for attempt in rounds["kept_attempts"]]
+            entry = summarize_bursts(kept, kept_prompts, args.tokens, peer.peak_rss_bytes(served.pid))
             if entry["errors"]:
                 entry["server_log_tail"] = served.tail()
             out[path.name] = entry
@@ -460,7 +474,8 @@ def ceiling_figures(binary: Path, model: Path, args: argparse.Namespace) -> list
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_model(args.model_dir, layers=args.layers, dim=args.dim)
-    prompts = agent_prompts(model, max(args.agents), args.prompt_tokens, args.tokens, args.threads)
+    attempts = args.rounds + args.max_reruns  # every round attempt gets prompts of its own
+    prompts = agent_prompts(model, max(args.agents) * attempts, args.prompt_tokens, args.tokens, args.threads)
     binaries, peer_note = peer.binaries_or_why(args.no_peer, args.build, args.peer_cache)
     notes: dict[str, str] = {}
     paths: list[PathSpec] = []

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from appliance.daemon.requestlog import RequestRecord
 from appliance.engine.adaptive import CpuShare
 from appliance.engine.runtime import Engine
 from appliance.engine.tinymodel import write_tiny_model
+from appliance.errors import ApplianceError
 from appliance.protocol import messages as m
 from appliance.protocol.lines import parse_fields
 
@@ -192,3 +195,88 @@ def test_thread_count_changes_are_debug_lines(tiny_model: Path, tmp_path: Path,
     changes = [r for r in caplog.records if r.name == "appliance.daemon.adaptive" and " threads (CPU share " in
                r.getMessage()]
     assert [(r.levelname, r.getMessage().split(" (")[0]) for r in changes] == [("DEBUG", "model m: 1 threads")]
+
+
+# -- HTTP requests refused before they run ---------------------------------------------------------------------------
+TOKEN = "access-test-token-0123456789"
+GUESS = "wrong-guess-9876543210"
+
+
+def test_a_refused_line_has_its_status_and_code_and_a_cut_path() -> None:
+    error = ApplianceError("UNAUTHORIZED", "no token")
+    line = accesslog.refusal_line("GET", "/v1/" + "x" * 1000, 401, error, "10.0.0.7")
+    fields = parse_fields(line)
+    assert line.startswith("surface=http method=GET path=/v1/xxx")
+    assert (fields["status"], fields["outcome"], fields["error"], fields["client"]) == ("401", "refused",
+                                                                                        "UNAUTHORIZED", "10.0.0.7")
+    assert len(fields["path"]) == accesslog.MAX_PATH_CHARS
+    unread = parse_fields(accesslog.refusal_line(None, None, 400, ApplianceError("BAD_REQUEST", "m"), None))
+    assert (unread["method"], unread["path"], unread["client"]) == ("none", "none", "none")
+    forged = accesslog.refusal_line("GET", "/a\nsurface=forged", 404, ApplianceError("NOT_FOUND", "m"), None)
+    assert "\n" not in forged and parse_fields(forged)["path"] == "/a\nsurface=forged"
+
+
+def raw_request(url: str, data: bytes) -> bytes:
+    """``data`` sent on a fresh connection; what comes back until the server closes it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_every_request_refused_before_it_runs_has_one_line(tiny_model: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Each refusal (the guard's, the router's, a route's before its run, the connection's) writes one access line
+    with its status and error code, never the token or the body; a request that ran has its record's line only."""
+    caplog.set_level(logging.INFO, logger="appliance.access")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with running({"tiny": {"path": str(tiny_model), "n_ctx": 512}}, model_dirs=[tiny_model.parent],
+                 http_settings={"api_token": TOKEN}, engine={"warmup_runs": 0}) as app:
+        url = app.appliance.http_url
+        assert url is not None
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        sent = [
+            (httpx.get(url + "/v1/models"), "GET", "/v1/models", "UNAUTHORIZED"),
+            (httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {GUESS}"}), "GET", "/v1/models",
+             "UNAUTHORIZED"),
+            (httpx.get(url + "/admin/", headers={"Accept": "text/html"}), "GET", "/admin/", "UNAUTHORIZED"),
+            (httpx.get(url + "/v1/models", headers={**auth, "Host": "evil.example"}), "GET", "/v1/models",
+             "FORBIDDEN"),
+            (httpx.get(url + "/v1/models", headers={**auth, "Host": "no host!"}), "GET", "/v1/models",
+             "BAD_REQUEST"),
+            (httpx.get(url + "/v1/nothing?key=value", headers=auth), "GET", "/v1/nothing", "NOT_FOUND"),
+            (httpx.delete(url + "/v1/health", headers=auth), "DELETE", "/v1/health", "METHOD_NOT_ALLOWED"),
+            (httpx.post(url + "/v1/chat/completions", headers=auth, content=b"{not json"), "POST",
+             "/v1/chat/completions", "BAD_REQUEST"),
+            (httpx.post(url + "/v1/chat/completions", headers=auth, json={**chat, "model": "nothing"}), "POST",
+             "/v1/chat/completions", "UNKNOWN_MODEL"),
+        ]
+        statuses = [response.status_code for response, *_ in sent]
+        assert statuses == [401, 401, 303, 403, 400, 404, 405, 400, 404], [r.text for r, *_ in sent]
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+        too_large = raw_request(url, f"{head}Content-Length: 5000000\r\nConnection: close\r\n\r\n".encode())
+        chunk = raw_request(url, f"{head}Transfer-Encoding: chunked\r\n\r\nFFFFFFFF\r\n".encode())
+        garbage = raw_request(url, b"NOT HTTP AT ALL\r\n\r\n")
+        for answer in (too_large, chunk, garbage):
+            assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        served = httpx.post(url + "/v1/chat/completions", headers=auth, json=chat, timeout=120)
+        assert served.status_code == 200, served.text
+        assert httpx.get(url + "/v1/models", headers=auth).status_code == 200  # served: no line (no record)
+        time.sleep(0.2)  # the refused connections' lines are written on the server's loop
+
+    lines = access_lines(caplog)
+    refused = [line for line in lines if line["surface"] == "http"]
+    expected = [(method, path, str(status), code)
+                for (_, method, path, code), status in zip(sent, statuses, strict=True)]
+    expected += [("POST", "/v1/completions", "400", "BAD_REQUEST"), ("POST", "/v1/completions", "400", "BAD_REQUEST"),
+                 ("none", "none", "400", "BAD_REQUEST")]
+    assert [(line["method"], line["path"], line["status"], line["error"]) for line in refused] == expected
+    assert {line["outcome"] for line in refused} == {"refused"}
+    assert {line["client"] for line in refused} == {"127.0.0.1"}
+    assert [(line["surface"], line["outcome"]) for line in lines if line["surface"] != "http"] == [("openai", "ok")]
+    for entry in caplog.records:  # the token, a wrong guess and bodies are never written
+        text = entry.getMessage()
+        assert TOKEN not in text and GUESS not in text and "not json" not in text

@@ -280,6 +280,36 @@ def test_a_kv_file_comes_back_only_into_the_v_layout_it_was_saved_with(
     assert again.generation.text == fresh_text("Agenta", 16)[8:]
 
 
+@pytest.mark.parametrize(("loaded", "changed", "restart", "restored_from"),
+                         [("auto", False, False, "tokens"), (False, "auto", True, "tokens"),
+                          (False, "auto", False, "disk"), (True, False, "auto", "disk")])
+def test_a_kv_file_says_the_layout_its_state_was_saved_in_after_a_live_change(
+        tmp_path: Path, loaded: object, changed: object, restart: object, restored_from: str) -> None:
+    """A reload that changes engine.flash_attention applies to models loaded after it: the loaded model still saves
+    its old layout, and its KV files say so. A restart under the other layout re-evaluates the tokens (the fake
+    refuses a state of the other layout as llama.cpp does: INTERNAL, had it been loaded); one under the layout the
+    state was saved in restores it."""
+    wall = [1e9]
+
+    async def first() -> None:
+        box = Box(tmp_path, make_config(tmp_path, engine={"live_slots": 1, "flash_attention": loaded}), wall=wall)
+        await box.daemon.register("a", "m")
+        await box.daemon.decode("a", 8, "Agenta")
+        box.daemon.apply_config(make_config(tmp_path, engine={"live_slots": 1, "flash_attention": changed}))
+        await box.stop()
+
+    async def second() -> Any:
+        box = Box(tmp_path, make_config(tmp_path, engine={"live_slots": 1, "flash_attention": restart}), wall=wall)
+        result = await box.daemon.decode("a", 8, "")
+        await box.stop()
+        return result
+
+    run(first())
+    again = run(second())
+    assert again.restored_from == restored_from
+    assert again.generation.text == fresh_text("Agenta", 16)[8:]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "other-tokens"])
 def test_a_bad_kv_file_falls_back_to_the_tokens(tmp_path: Path, damage: str,
                                                caplog: pytest.LogCaptureFixture) -> None:

@@ -8,6 +8,7 @@ byte-equal texts, with flash attention off)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,10 +18,16 @@ import numpy as np
 import pytest
 import yaml
 
-from appliance.config.validate import ConfigInvalid, parse_config
+from appliance.config.validate import Config, ConfigInvalid, parse_config
+from appliance.daemon.core import Daemon
+from appliance.daemon.devices import FakeDevice
+from appliance.daemon.diskkv import DiskTier
+from appliance.daemon.model import DecodeResult
+from appliance.daemon.store import AgentStore, StoreWriter
 from appliance.engine import flash, llamalog
 from appliance.engine.batched import BatchedContext, ModelWeights
-from appliance.engine.interface import GREEDY
+from appliance.engine.interface import GREEDY, Conversation
+from appliance.engine.runtime import Engine, Runtime
 from appliance.errors import ApplianceError
 
 TOLERANCE = 5e-3
@@ -214,3 +221,74 @@ def test_a_state_saved_with_flash_attention_restores_only_into_the_same_v_layout
             other.restore(0, saved)
         assert info.value.code == "INTERNAL" and "refused" in info.value.message
         assert other.sequences == []
+
+
+def test_a_parked_conversation_from_the_other_layout_is_re_evaluated_not_refused(tiny_model: Path) -> None:
+    """A conversation parked by a runtime loaded with flash attention (``auto``) and continued by one loaded with
+    it off (``engine.flash_attention`` changed and the model loaded again): its state is never handed to llama.cpp
+    (which refuses it, ``INTERNAL``); its tokens are evaluated again, to the continuation a fresh evaluation of them
+    gives."""
+    with_flash = Runtime(tiny_model, n_ctx=256, n_gpu_layers=0, n_threads=THREADS, flash_attention="auto")
+    try:
+        conv = Conversation()
+        with_flash.generate(conv, PROMPTS[0], 4)
+        with_flash.slots.park(conv)
+        assert conv.where == "host" and conv.nbytes > 0
+    finally:
+        with_flash.close()
+    without = Runtime(tiny_model, n_ctx=256, n_gpu_layers=0, n_threads=THREADS, flash_attention="off")
+    try:
+        fresh = Conversation(tokens=list(conv.tokens))  # the same tokens, no state
+        expected = without.generate(fresh, "", 4)
+        without.slots.park(fresh)
+        got = without.generate(conv, "", 4)
+        assert got.text == expected.text and got.prompt_evaluated == expected.prompt_evaluated == len(fresh.tokens) - 4
+        assert without.slots.layout_discards == 1 and without.slots.restores == 0
+        assert without.v_transposed is True
+        without.slots.park(conv)  # parked again, now in this runtime's layout: it comes back as it is
+        assert conv.v_transposed is True
+        assert without.generate(conv, "", 2).prompt_evaluated == 1 and without.slots.restores == 1
+    finally:
+        without.close()
+
+
+def test_a_live_flash_attention_change_never_makes_a_kv_file_llama_cpp_refuses(tiny_model: Path,
+                                                                               tmp_path: Path) -> None:
+    """``engine.flash_attention`` changed by a reload applies to models loaded after it, so the loaded model keeps
+    saving states in its old layout: a KV file written at the stop says that layout, and the restart under the new
+    setting re-evaluates the agent's tokens (``kv_restored_from=tokens``) instead of failing with ``INTERNAL``; a
+    restart under the old setting restores it from disk."""
+
+    def config(setting: object) -> Config:
+        doc = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tiny_model.parent)],
+               "resync_interval_s": 0, "engine": {"live_slots": 1, "flash_attention": setting, "warmup_runs": 0},
+               "models": [{"name": "m", "path": str(tiny_model), "n_ctx": 256}]}
+        return parse_config(yaml.safe_dump(doc), base_dir=tmp_path)
+
+    async def life(setting: object, change_to: object | None, prompt: str) -> tuple[DecodeResult, tuple[int, ...]]:
+        daemon = Daemon(config(setting), FakeDevice(8 * 2**30), Engine(THREADS))
+        store, _ = AgentStore.open(tmp_path / "state" / "agents.db")
+        daemon.attach_durability(StoreWriter(store), DiskTier(tmp_path / "state" / "kv", 10**8))
+        daemon.restore(store.load_agents(), store.load_responses())
+        try:
+            if prompt:
+                await daemon.register("a", "m")
+                await daemon.register("b", "m")
+                await daemon.decode("b", 4, "another agent")
+            result = await daemon.decode("a", 4, prompt)
+            if change_to is not None:
+                daemon.apply_config(config(change_to))  # a hot reload: the loaded model keeps its contexts
+            return result, tuple(daemon.agents["a"].conversation.tokens)
+        finally:
+            await daemon.close(deadline=asyncio.get_running_loop().time() + 60)
+
+    (tmp_path / "state").mkdir()
+    first, tokens = asyncio.run(life("auto", False, PROMPTS[1]))
+    assert first.generation.generated_tokens == 4
+    again, after = asyncio.run(life(False, None, ""))
+    assert again.restored_from == "tokens" and again.generation.generated_tokens == 4
+    assert after[:len(tokens)] == tokens  # nothing of the conversation lost
+    back, _ = asyncio.run(life(False, "auto", ""))  # the model loaded under false keeps saving transposed states
+    assert back.restored_from == "disk"
+    last, _ = asyncio.run(life(False, None, ""))  # so a restart under false restores its file from disk
+    assert last.restored_from == "disk"

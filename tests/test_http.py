@@ -81,3 +81,29 @@ def test_http_connections_over_max_connections_get_a_p4_429_and_a_dribbled_head_
             start = time.monotonic()
             assert slow.recv(100) == b""  # closed by the request timeout
             assert 0.4 < time.monotonic() - start < 5
+
+
+PAGE = "http://127.0.0.1:3000"
+
+
+def test_an_unexpected_exception_keeps_the_cors_and_affinity_headers(tiny_model: Path) -> None:
+    """starlette answers an unexpected exception from its outermost middleware, outside the Guard and the affinity
+    headers: the INTERNAL reply still carries the headers an allowed origin's page needs to read it."""
+    with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent],
+                 http_settings={"cors_origins": [PAGE]}) as app:
+        server = app.appliance.http_server
+        assert server is not None
+        server.config.app.router.routes.append(Route("/v1/test/broken", broken))
+        url = app.appliance.http_url
+        response = httpx.get(url + "/v1/test/broken", headers={"Origin": PAGE})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "INTERNAL"
+        assert response.headers["access-control-allow-origin"] == PAGE
+        assert "retry-after" in response.headers["access-control-expose-headers"]
+        assert response.headers["vary"] == "Origin"
+        assert response.headers["x-appliance-instance"] == httpx.get(url + "/v1/health").json()["instance"]
+        other = httpx.get(url + "/v1/test/broken", headers={"Origin": "http://127.0.0.1:3001"})
+        assert other.status_code == 500 and "access-control-allow-origin" not in other.headers
+        assert other.headers["vary"] == "Origin"
+        ok = httpx.get(url + "/v1/models", headers={"Origin": PAGE})  # the same headers as every other reply
+        assert ok.headers["access-control-allow-origin"] == response.headers["access-control-allow-origin"]
+        assert ok.headers["access-control-expose-headers"] == response.headers["access-control-expose-headers"]

@@ -19,6 +19,7 @@ from appliance.daemon.store import (
     PutResponse,
     ResponseRecord,
     StoreWriter,
+    move_aside,
 )
 
 
@@ -75,6 +76,52 @@ def test_a_corrupt_store_is_moved_aside_and_a_new_one_begun(tmp_path: Path, garb
     assert aside.read_bytes() == garbage  # kept as it was, for whoever wants to look
     assert db.load_agents() == []
     assert any(r.levelname == "ERROR" and "moved aside" in r.getMessage() for r in caplog.records)
+
+
+def test_two_corrupt_stores_within_one_second_are_both_kept(tmp_path: Path) -> None:
+    """A second bad store moved aside within the same second (a crash loop) goes to a new name: the first one is
+    never overwritten."""
+    path = tmp_path / "agents.db"
+    kept: dict[Path, bytes] = {}
+    for attempt in range(3):
+        garbage = f"not a database, try {attempt}".encode() * 100
+        path.write_bytes(garbage)
+        db, aside = AgentStore.open(path, clock=lambda: 0.0)
+        db.close()
+        assert aside is not None and aside not in kept
+        kept[aside] = garbage
+    assert sorted(p.name for p in kept) == ["agents.db.corrupt-19700101T000000",
+                                            "agents.db.corrupt-19700101T000000-2",
+                                            "agents.db.corrupt-19700101T000000-3"]
+    for aside, garbage in kept.items():
+        assert aside.read_bytes() == garbage
+
+
+def test_a_store_is_moved_aside_with_its_wal_never_over_another(tmp_path: Path) -> None:
+    path = tmp_path / "agents.db"
+    for attempt in range(2):
+        path.write_bytes(b"db %d" % attempt)
+        (tmp_path / "agents.db-wal").write_bytes(b"wal %d" % attempt)
+        aside = move_aside(path, 0.0)
+        assert aside.read_bytes() == b"db %d" % attempt
+        assert not path.exists() and not (tmp_path / "agents.db-wal").exists()
+    first = tmp_path / "agents.db.corrupt-19700101T000000"
+    assert (first.read_bytes(), first.with_name(first.name + "-wal").read_bytes()) == (b"db 0", b"wal 0")
+    second = tmp_path / "agents.db.corrupt-19700101T000000-2"
+    assert (second.read_bytes(), second.with_name(second.name + "-wal").read_bytes()) == (b"db 1", b"wal 1")
+
+
+def test_a_name_taken_by_any_of_the_store_files_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "agents.db"
+    path.write_bytes(b"x" * 100)
+    (tmp_path / "agents.db-wal").write_bytes(b"new wal")
+    stray = tmp_path / "agents.db.corrupt-19700101T000000-wal"  # an earlier WAL whose database was deleted
+    stray.write_bytes(b"old wal")
+    aside = move_aside(path, 0.0)
+    assert aside.name == "agents.db.corrupt-19700101T000000-2"
+    assert stray.read_bytes() == b"old wal"
+    assert not (tmp_path / "agents.db.corrupt-19700101T000000").exists()  # its claim was given back
+    assert aside.read_bytes() == b"x" * 100 and not path.exists()
 
 
 def test_a_store_whose_page_was_damaged_fails_its_check(tmp_path: Path) -> None:

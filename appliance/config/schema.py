@@ -674,9 +674,9 @@ SETTINGS: tuple[Setting, ...] = (
         "being transposed (one 128-cell sequence beside 7 others: 1.1 ms against 65 ms). false is for an "
         "operator who needs a request's text byte-equal whether it was decoded beside others or alone: with flash "
         "attention a sequence decoded beside others rounds differently (its logits differ by about 1e-3; a "
-        "near-tie greedy token may differ). A quantized `cache_type` needs it (false refuses one). Conversations "
-        "saved to disk under the other V layout are re-evaluated from their tokens. A change applies to models "
-        "loaded after it.",
+        "near-tie greedy token may differ). A quantized `cache_type` needs it (false refuses one). A change applies "
+        "to models loaded after it (a loaded model keeps saving its parked conversations in its own V layout); a "
+        "conversation saved in host RAM or on disk under the other V layout is re-evaluated from its tokens.",
     ),
     Setting(
         "engine.adaptive", BOOL, True,

@@ -12,8 +12,16 @@ line)::
 ``tokens_per_s`` is the decode speed after the first token (the generated tokens but the first, over the
 generation's time after its first token), ``none`` below two tokens; ``ttft_ms`` is from the generation's start on
 the engine to its first token; ``elapsed_ms`` is the whole request as its surface saw it (waiting included).
-A request its surface refuses before it runs (a malformed body; on the HTTP generation routes, a name that names no
-model) has no record, so no line: its error reply is its trace. Pure but for the one logging call."""
+A request the HTTP surface refuses before it runs has no record; it gets a line of its own (:func:`refusal_line`),
+with its status and error code, never its token or its body::
+
+    surface=http method=POST path=/v1/chat/completions status=401 outcome=refused error=UNAUTHORIZED client=10.0.0.7
+
+(the guard's refusals: a bad or missing API token, a ``Host`` it does not answer to, a cross-origin or CSRF refusal;
+no route, a method the route does not take, a body too large or malformed, a name that names no model; a
+connection over ``max_connections`` or a request that is not HTTP/1.1, refused before its route, with ``method``
+and ``path`` ``none`` when its head was not read). A socket request refused before it runs (a malformed line or
+frame) has no line: its error reply is its trace. Pure but for the logging calls."""
 
 from __future__ import annotations
 
@@ -21,9 +29,12 @@ import logging
 from typing import Any
 
 from appliance.daemon.requestlog import RequestRecord
+from appliance.errors import ApplianceError
 from appliance.protocol.lines import format_fields
 
 LOGGER = "appliance.access"
+MAX_PATH_CHARS = 256
+"""A refused request's path is written cut to this many characters (the client chose it)."""
 log = logging.getLogger(LOGGER)
 
 
@@ -62,3 +73,27 @@ def log_request(record: RequestRecord) -> None:
         log.info("%s", access_line(record))
     except Exception:
         log.exception("access log: a request record could not be written")
+
+
+def refusal_fields(method: str | None, path: str | None, status: int, error: ApplianceError,
+                   client: str | None) -> dict[str, Any]:
+    """The fields of a refused HTTP request's line, in order (``status``: the one sent, which may not be the
+    error's own: an admin page's 401 is a redirect to the login form)."""
+    return {"surface": "http", "method": method, "path": None if path is None else path[:MAX_PATH_CHARS],
+            "status": status, "outcome": "refused", "error": error.code, "client": client}
+
+
+def refusal_line(method: str | None, path: str | None, status: int, error: ApplianceError,
+                 client: str | None) -> str:
+    return format_fields(refusal_fields(method, path, status, error, client))
+
+
+def log_refusal(method: str | None, path: str | None, status: int, error: ApplianceError,
+                client: str | None) -> None:
+    """One INFO line on :data:`LOGGER` for an HTTP request refused before it ran (never raises into its reply)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    try:
+        log.info("%s", refusal_line(method, path, status, error, client))
+    except Exception:
+        log.exception("access log: a refused request could not be written")

@@ -192,10 +192,16 @@ class Durable(DaemonBase):
                 await self.engine.call(self.disk.discard, agent.id, "the model file changed")
 
     # -- the disk tier (engine thread) -----------------------------------------------------------------------
-    def validity(self, model: Model) -> Validity:
+    def validity(self, model: Model, v_transposed: bool | None = None) -> Validity:
+        """What a KV file of ``model`` must be made for to be loaded now: its V layout is the loaded runtime's (a
+        live change of ``engine.flash_attention`` applies to models loaded after it), or ``v_transposed``'s (the
+        layout a parked state was saved in)."""
         identity = "" if model.file is None else file_identity_text(model.file)
-        v_layout = not flash.v_transposed(flash.mode_of(self.config.engine.flash_attention))
-        return Validity(identity, model.spec.n_ctx, model.spec.cache_type, v_layout)
+        if v_transposed is None:
+            runtime = model.runtime
+            v_transposed = runtime.v_transposed if runtime is not None else \
+                flash.v_transposed(flash.mode_of(self.config.engine.flash_attention))
+        return Validity(identity, model.spec.n_ctx, model.spec.cache_type, not v_transposed)
 
     def spill(self, agent: Agent) -> bool:
         """Write ``agent``'s parked state to disk and free its host buffer; False when there is no disk tier or the
@@ -208,8 +214,8 @@ class Durable(DaemonBase):
         if len(tokens) < conv.n_evaluated:
             return False
         state = memoryview(conv.buffer)[:conv.nbytes]
-        written, evicted = disk.write(agent.id, self.validity(agent.model), tokens, state,
-                                      self.wall_time(agent.last_used))
+        written, evicted = disk.write(agent.id, self.validity(agent.model, conv.v_transposed), tokens, state,
+                                      self.wall_time(agent.last_used))  # tagged with the layout it was saved in
         state.release()
         for key in evicted:
             other = self.agents.get(key)
@@ -228,7 +234,8 @@ class Durable(DaemonBase):
         file is missing or fails its checks (discarded: its tokens are re-evaluated). Engine thread."""
         conv = agent.conversation
         disk = self.disk
-        got = None if disk is None else disk.read(agent.id, self.validity(agent.model), conv.tokens)
+        validity = self.validity(agent.model)
+        got = None if disk is None else disk.read(agent.id, validity, conv.tokens)
         if got is None:
             forget_parked(conv)
             return False
@@ -236,6 +243,7 @@ class Durable(DaemonBase):
         conv.buffer = state
         conv.nbytes = len(state)
         conv.n_evaluated = n_tokens
+        conv.v_transposed = not validity.flash_attention
         conv.where = "host"
         return True
 

@@ -15,8 +15,9 @@ conversation.
 * **Faults.** A write that fails (full disk, read-only folder, I/O error) fails no request: the writes are kept in
   memory (the newest per agent), the problem is reported (health ``degraded``) and the transaction is retried with
   backoff until it goes through; SQLite rolls a failed transaction back, so nothing already stored is touched. A file
-  that fails its integrity check at start is moved aside (``agents.db.corrupt-<time>``) and a new one begun, with an
-  ERROR log line and a health notice.
+  that fails its integrity check at start is moved aside (``agents.db.corrupt-<time>``, ``-2``, ``-3`` … after it
+  when that name is taken: an earlier bad store is never overwritten) and a new one begun, with an ERROR log line
+  and a health notice.
 """
 
 from __future__ import annotations
@@ -168,9 +169,51 @@ def file_identity_text(identity: tuple[int, ...]) -> str:
     return ":".join(str(part) for part in identity)
 
 
-def corrupt_name(path: Path, now: float) -> Path:
+STORE_FILES = ("", "-wal", "-shm")
+"""The suffixes of a store's files: the database, its WAL and its shared memory."""
+MAX_ASIDE_TRIES = 1000
+"""How many names :func:`move_aside` tries for one second before it gives up."""
+
+
+def corrupt_name(path: Path, now: float, attempt: int = 1) -> Path:
+    """``agents.db.corrupt-<UTC time>``, and ``-<attempt>`` after it from the second try on (two failures within
+    one second)."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
-    return path.with_name(f"{path.name}.corrupt-{stamp}")
+    counter = "" if attempt == 1 else f"-{attempt}"
+    return path.with_name(f"{path.name}.corrupt-{stamp}{counter}")
+
+
+def move_aside(path: Path, now: float) -> Path:
+    """Move the store at ``path`` (with its WAL and shared-memory files) to the first :func:`corrupt_name` none of
+    whose files exists, never replacing one: each name is claimed with ``O_EXCL`` before its file is renamed onto
+    the claim. Returns where the database went; :class:`FileExistsError` when every name is taken."""
+    sources = [(suffix, path.with_name(path.name + suffix)) for suffix in STORE_FILES]
+    present = [(suffix, source) for suffix, source in sources if source.exists()]
+    for attempt in range(1, MAX_ASIDE_TRIES + 1):
+        aside = corrupt_name(path, now, attempt)
+        claimed = claim_names([aside.with_name(aside.name + suffix) for suffix, _ in present])
+        if claimed is None:
+            continue
+        for (_, source), target in zip(present, claimed, strict=True):
+            os.replace(source, target)  # onto our own empty claim: nothing of anyone else's is replaced
+        return aside
+    raise FileExistsError(f"every name {corrupt_name(path, now)}[-N] up to {MAX_ASIDE_TRIES} is taken")
+
+
+def claim_names(targets: list[Path]) -> list[Path] | None:
+    """Create each of ``targets`` empty with ``O_EXCL``; None (the ones created removed again) when one exists."""
+    claimed: list[Path] = []
+    for target in targets:
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            for made in claimed:
+                with contextlib.suppress(FileNotFoundError):
+                    made.unlink()
+            return None
+        os.close(fd)
+        claimed.append(target)
+    return claimed
 
 
 class AgentStore:
@@ -207,16 +250,12 @@ class AgentStore:
     @classmethod
     def open(cls, path: Path, *, clock: Callable[[], float] = time.time) -> tuple[AgentStore, Path | None]:
         """Open (or begin) the store at ``path``. One that fails its integrity check is moved aside with its WAL
-        and shared-memory files (``agents.db.corrupt-<time>``) and a new one begun; returns the store and where the
-        bad one went (None when it was good)."""
+        and shared-memory files (``agents.db.corrupt-<time>``, never over an earlier one: :func:`move_aside`) and a
+        new one begun; returns the store and where the bad one went (None when it was good)."""
         try:
             return cls(path), None
         except StoreCorrupt as exc:
-            aside = corrupt_name(path, clock())
-            for suffix in ("", "-wal", "-shm"):
-                source = path.with_name(path.name + suffix)
-                if source.exists():
-                    os.replace(source, aside.with_name(aside.name + suffix))
+            aside = move_aside(path, clock())
             log.error("the agents store %s failed its integrity check (%s): moved aside to %s; a new, empty store "
                       "is begun, and the agents it held are not restored", path, exc, aside)
             return cls(path), aside

@@ -412,6 +412,7 @@ class BatchedContext:
         self.cache_type = cache_type
         self.flash_mode = mode
         self.flash_attn = chosen  # what llama.cpp chose: True = flash attention runs
+        self.v_transposed = flash.v_transposed(mode)  # the layout of its saved states (what was asked, not chosen)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._seqs: dict[int, _Sequence] = {}  # generating, in join order
         self._resting: dict[int, int] = {}  # seq id -> cells, for sequences between two generations

@@ -210,14 +210,17 @@ class _FakeSequence:
 
 class FakeContext:
     """A :class:`~appliance.engine.slots.SequenceContext` without llama.cpp: each sequence's "KV cells" are the
-    tokens it evaluated, its state bytes those tokens (4 bytes each); a step "evaluates" every pending token and
-    samples :func:`next_token` (or ``EOS`` when the engine's ``eos_when`` says so) for every generating sequence."""
+    tokens it evaluated, its state bytes those tokens (4 bytes each, bit-inverted in a ``v_transposed`` context, so
+    that a state loaded into a context of the other layout is refused, as llama.cpp refuses it); a step "evaluates"
+    every pending token and samples :func:`next_token` (or ``EOS`` when the engine's ``eos_when`` says so) for every
+    generating sequence."""
 
     def __init__(self, engine: FakeEngine, *, n_ctx: int, n_seq_max: int, plan: str = "fixed",
-                 threads: int = 1) -> None:
+                 threads: int = 1, v_transposed: bool = False) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        self.v_transposed = v_transposed
         self.plan = plan
         self.threads = threads
         self.kv: dict[int, list[int]] = {}  # seq id -> evaluated tokens, for every sequence holding cells
@@ -309,7 +312,8 @@ class FakeContext:
         return 4 * len(self.kv[seq_id])
 
     def state_into(self, seq_id: int, buffer: bytearray) -> int:
-        data = array("i", self.kv[seq_id]).tobytes()
+        cells = self.kv[seq_id]
+        data = array("i", [~cell for cell in cells] if self.v_transposed else cells).tobytes()
         buffer[:len(data)] = data
         return len(data)
 
@@ -318,7 +322,9 @@ class FakeContext:
         cells = array("i", bytes(state)).tolist()
         if len(cells) != n_past:
             raise ApplianceError("INTERNAL", "fake KV state does not match its token count")
-        self.kv[seq_id] = cells
+        if any((cell < 0) != self.v_transposed for cell in cells):  # token ids are never negative
+            raise ApplianceError("INTERNAL", "llama.cpp refused the saved sequence state", {"seq_id": seq_id})
+        self.kv[seq_id] = [~cell for cell in cells] if self.v_transposed else cells
 
     def lift(self, seq_id: int) -> tuple[list[int], _FakeSequence]:
         """Take generating sequence ``seq_id`` out (its cells and its state), to :meth:`land` in another context."""
@@ -364,7 +370,8 @@ class FakeRuntime(SlotRuntime):
 
     def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> FakeContext:
         self.contexts_built += 1
-        return FakeContext(self.engine, n_ctx=n_ctx, n_seq_max=n_seq_max, plan=plan, threads=threads)
+        return FakeContext(self.engine, n_ctx=n_ctx, n_seq_max=n_seq_max, plan=plan, threads=threads,
+                           v_transposed=self.v_transposed)
 
     def _free(self, context: FakeContext) -> None:  # type: ignore[override]
         context.running.clear()

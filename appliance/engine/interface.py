@@ -151,6 +151,8 @@ class Conversation:
     buffer: bytearray | None = field(default=None, repr=False)
     nbytes: int = 0
     seq: int | None = None  # the context sequence whose cells it holds while ``where`` is "device"
+    v_transposed: bool = False  # the V layout its saved state was made in (flash attention off); llama.cpp loads a
+    #                             state only into a context of the same layout
 
 
 def check_prompt_size(n_ctx: int, conv: Conversation, size: int, longest_piece: int) -> None:
@@ -217,6 +219,12 @@ class RuntimeProtocol(Protocol):
     @property
     def flash_attention(self) -> bool | None:
         """Whether its live context runs flash attention (llama.cpp's choice under ``auto``); None without one."""
+        ...
+
+    @property
+    def v_transposed(self) -> bool:
+        """Its contexts store the V cache transposed (``engine.flash_attention`` was off when it was loaded): the
+        layout of every state it saves, and the only one it can load."""
         ...
 
     @property

@@ -24,12 +24,15 @@ parked in host RAM, which prefix is reused, and each request's stream (SPEC L5, 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from appliance.engine import flash
 from appliance.engine.adaptive import Tuning
+from appliance.engine.flash import FlashMode
 from appliance.engine.interface import (
     GREEDY,
     Conversation,
@@ -46,6 +49,8 @@ from appliance.engine.interface import (
 from appliance.engine.prompts import prompt_text, tokenize_prompt
 from appliance.engine.streamtext import StreamText
 from appliance.errors import ApplianceError
+
+log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 16
 """Tokens a borrowed prefix must have at least: a few shared tokens (the BOS, a chat template's first words) save
@@ -76,6 +81,7 @@ class SequenceContext(Protocol):
 
     n_ctx: int
     n_seq_max: int
+    v_transposed: bool  # its V cache is transposed (flash attention off): the layout of the states it saves and loads
 
     def add(self, seq_id: int, prompt_tokens: list[int], sampling: Sampling, max_tokens: int, *,
             n_past: int = 0, seen: list[int] | None = None) -> None: ...
@@ -175,6 +181,7 @@ class Slots:
         self.saves = 0
         self.restores = 0
         self.refused_need = 0  # the cells the last request :meth:`begin` refused needed (the queue's pool demand)
+        self.layout_discards = 0  # parked states dropped for being in the other V layout (:meth:`_place`)
         self.keep_buffers = True  # a restored conversation keeps its host buffer (False: an adaptive pool's do not)
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -325,6 +332,9 @@ class Slots:
         its copy in host RAM would otherwise hold its cells twice); with ``keep_buffers`` false (an adaptive pool,
         whose memory must stay within the fixed strategy's) none keeps one."""
         restored = conv.where == "host" and conv.buffer is not None and conv.nbytes > 0
+        if restored and conv.v_transposed != self.context.v_transposed:
+            self._discard_other_layout(conv)
+            restored = False
         if restored:
             assert conv.buffer is not None
             self.context.load_state(seq_id, memoryview(conv.buffer)[:conv.nbytes], conv.n_evaluated)
@@ -341,6 +351,17 @@ class Slots:
         self._touch(seq_id)
         return restored
 
+    def _discard_other_layout(self, conv: Conversation) -> None:
+        """``conv``'s parked state was saved in the other V layout (``engine.flash_attention`` changed between its
+        save and now): llama.cpp would refuse it, so it goes, and the conversation's tokens are evaluated again."""
+        log.warning("a parked conversation's KV state (%d cells) was saved with the V cache %s, this context stores "
+                    "it %s (engine.flash_attention changed): its tokens are re-evaluated", conv.n_evaluated,
+                    layout_name(conv.v_transposed), layout_name(self.context.v_transposed))
+        conv.buffer = None
+        conv.nbytes = 0
+        conv.where = "empty"
+        self.layout_discards += 1
+
     def _park(self, seq_id: int) -> Conversation:
         """Copy a resting sequence's cells to its conversation's host buffer and free the sequence."""
         conv = self.holders.pop(seq_id)
@@ -350,6 +371,7 @@ class Slots:
             conv.buffer = bytearray(size)  # reused by its later parks: no allocation per swap
         conv.nbytes = self.context.state_into(seq_id, conv.buffer)
         conv.n_evaluated = self.context.cells(seq_id)
+        conv.v_transposed = self.context.v_transposed
         conv.where = "host"
         conv.seq = None
         self.context.cancel(seq_id)
@@ -481,10 +503,11 @@ class Slots:
         return best
 
     def parked_candidates(self) -> list[Conversation]:
-        """The conversations this runtime parked that still hold their state in host RAM."""
+        """The conversations this runtime parked that still hold their state in host RAM (in this context's V
+        layout: only those can be loaded)."""
         alive = [conv for conv in self._parked if conv.where == "host" and conv.buffer is not None]
         self._parked[:] = alive  # in place: a cold context shares the list
-        return list(alive)
+        return [conv for conv in alive if conv.v_transposed == self.context.v_transposed]
 
     # -- steps -----------------------------------------------------------------------------------------
     def step(self, hold: Callable[[], bool] | None = None) -> list[Request]:
@@ -611,6 +634,10 @@ class Slots:
         self._used[seq_id] = self._tick
 
 
+def layout_name(v_transposed: bool) -> str:
+    return "transposed (flash attention off)" if v_transposed else "as flash attention stores it"
+
+
 def common_prefix(tokens: list[int], other: list[int], limit: int) -> int:
     """How many leading tokens ``tokens`` and ``other`` share, at most ``limit``."""
     n = min(len(tokens), len(other), limit)
@@ -677,6 +704,7 @@ class SlotRuntime(RequestRunner):
     tuning: Tuning
     n_ctx: int
     live_slots: int
+    flash_mode: FlashMode
     cold: Slots | None = None
     _next: tuple[SequenceContext, Tuning] | None = None
     _rebuilding = False
@@ -691,6 +719,10 @@ class SlotRuntime(RequestRunner):
     @property
     def busy(self) -> bool:
         return self.slots.busy or (self.cold is not None and self.cold.busy)
+
+    @property
+    def v_transposed(self) -> bool:
+        return flash.v_transposed(self.flash_mode)
 
     @property
     def live(self) -> list[Conversation]:

@@ -21,17 +21,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from appliance.daemon import accesslog
 from appliance.daemon.durable import RESTORED_FROM
 from appliance.errors import ApplianceError, StartupError
-from appliance.http.affinity import AffinityHeaders, appliance_instance
+from appliance.http import cors, refusals
+from appliance.http.affinity import RUN_STATE, AffinityHeaders, appliance_instance
+from appliance.http.affinity import response_headers as affinity_headers
 from appliance.http.assets import web_dir
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
 from appliance.http.headwrite import HeldHeadTransport
 from appliance.http.openai_schema import MAX_BODY_BYTES
-from appliance.http.security import Guard, shown
+from appliance.http.security import Guard, RequestHead, cors_rule, shown
 from appliance.protocol import paging
 
 if TYPE_CHECKING:
@@ -90,33 +94,56 @@ def health_document(appliance: Appliance) -> dict:
 
 
 async def appliance_error(request: Request, exc: Exception) -> JSONResponse:
-    """Every :class:`ApplianceError` a route raises becomes its P4 response: one mapping for every route."""
+    """Every :class:`ApplianceError` a route raises becomes its P4 response: one mapping for every route. One
+    raised before the request reached the daemon is a refusal, with its access line."""
     assert isinstance(exc, ApplianceError)
+    refusals.log_unrecorded(request.scope, exc)
     return error_response(exc, request)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    """Anything else is a bug: logged with its traceback, answered as P4 ``INTERNAL`` without its text."""
+    """Anything else is a bug: logged with its traceback, answered as P4 ``INTERNAL`` without its text. The
+    reply comes from starlette's outermost middleware, outside the Guard and :class:`AffinityHeaders`: it gets
+    their headers here (a browser page of an allowed origin reads the error, not a CORS failure)."""
     log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(ApplianceError("INTERNAL", "an unexpected internal error", {"path": request.url.path}),
-                          request)
+    response = error_response(ApplianceError("INTERNAL", "an unexpected internal error",
+                                             {"path": request.url.path}), request)
+    for name, value in outer_headers(request.app.state.appliance, request.scope):
+        response.headers.append(name, value)
+    return response
+
+
+def outer_headers(appliance: Appliance, scope: Scope) -> list[tuple[str, str]]:
+    """The headers the Guard (CORS) and :class:`AffinityHeaders` add to a response to the request of ``scope``."""
+    path = scope["path"]
+    origin = RequestHead(scope).headers.get("origin")
+    headers = cors_rule(appliance).response_headers(path, origin) if appliance.config.http.cors_origins else []
+    if cors.is_api(path):
+        run = (scope.get("state") or {}).get(RUN_STATE)
+        headers += affinity_headers(appliance_instance(appliance), None if run is None else run.agent_id)
+    return headers
 
 
 async def client_disconnected(request: Request, exc: Exception) -> JSONResponse:
     """The client went away before its request body arrived whole (an aborted upload, a broken chunked body): its
     failure, not the daemon's, so ``BAD_REQUEST`` (sent to nobody), never a logged ``INTERNAL``."""
-    return error_response(ApplianceError("BAD_REQUEST", "the client disconnected before its request body arrived",
-                                         {"path": request.url.path}), request)
+    error = ApplianceError("BAD_REQUEST", "the client disconnected before its request body arrived",
+                           {"path": request.url.path})
+    refusals.log_unrecorded(request.scope, error)
+    return error_response(error, request)
 
 
 async def not_found(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path}),
-                          request)
+    error = ApplianceError("NOT_FOUND", f"no route {request.url.path}", {"path": request.url.path})
+    refusals.log_refused(request.scope, error)
+    return error_response(error, request)
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
-                                         {"path": request.url.path, "method": request.method}), request)
+    error = ApplianceError("METHOD_NOT_ALLOWED", f"{request.method} is not allowed here",
+                           {"path": request.url.path, "method": request.method})
+    refusals.log_refused(request.scope, error)
+    return error_response(error, request)
 
 
 EXCEPTION_HANDLERS = {
@@ -259,7 +286,7 @@ class GuardedH11Protocol(H11Protocol):
             return  # the head is not in yet
         limit = self.appliance.config.max_connections
         self._answer_and_close(ApplianceError("TOO_MANY_CONNECTIONS", f"the daemon serves at most {limit} clients",
-                                              {"max_connections": limit}))
+                                              {"max_connections": limit}), event)
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (uvicorn's own answer is plain text) gets the P4 ``BAD_REQUEST``, then the
@@ -271,8 +298,10 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.message_event.set()
         self._answer_and_close(self.conn.refusal or ApplianceError("BAD_REQUEST", "the request is not valid HTTP/1.1"))
 
-    def _answer_and_close(self, error: ApplianceError) -> None:
-        """Answer ``error`` as its P4 JSON response outside any ASGI request, and close the connection."""
+    def _answer_and_close(self, error: ApplianceError, head: h11.Request | None = None) -> None:
+        """Answer ``error`` as its P4 JSON response outside any ASGI request (its access line from ``head``, the
+        request's, or the request cycle's, when read), and close the connection."""
+        self._log_refusal(error, head)
         body = json.dumps(error_body(error)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
@@ -285,6 +314,17 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()
+
+    def _log_refusal(self, error: ApplianceError, head: h11.Request | None) -> None:
+        method = path = None
+        if head is not None:
+            method = head.method.decode("latin-1")
+            path = head.target.decode("latin-1").partition("?")[0]
+        elif self.cycle is not None and not self.cycle.response_complete:  # refused mid-body
+            method, path = self.cycle.scope["method"], self.cycle.scope["path"]
+            refusals.note_logged(self.cycle.scope)  # type: ignore[arg-type]  # its route writes no line of its own
+        client = self.client[0] if self.client else None
+        accesslog.log_refusal(method, path, error.http_status, error, client)
 
     def _arm_request_timer(self) -> None:
         self._disarm_request_timer()

@@ -46,7 +46,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.errors import ApplianceError
-from appliance.http import cors
+from appliance.http import cors, refusals
 from appliance.http.errors import error_response
 
 if TYPE_CHECKING:
@@ -366,6 +366,7 @@ def preflight_response(head: RequestHead, request: Request, appliance: Appliance
                                                  head.headers["access-control-request-method"],
                                                  head.headers.get("access-control-request-headers", ""))
     except ApplianceError as error:
+        refusals.log_refused(head.scope, error)
         return error_response(error, request)
     return Response(status_code=204, headers=dict(headers))
 
@@ -397,6 +398,7 @@ class Guard:
             response: Response = error_response(error, request)
             if error.code == "UNAUTHORIZED" and wants_page(head):
                 response = RedirectResponse(LOGIN_PATH, status_code=303)
+            refusals.log_refused(scope, error, response.status_code)
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -11,7 +11,7 @@ try at once, so that they start before the same step and their prompts are evalu
 A request refused for want of KV cells while a sequence was free (:class:`ShortOfCells`) records the cells it needs
 and those of the requests in flight (:meth:`Admission.short_of_cells`). :attr:`Admission.waiting_cells` is what the
 queue adds to the pool's demand: the recorded needs, and for each ticket that has not tried yet (it waits its turn
-behind the head, which alone tries) the mean of the recorded ones; :attr:`Admission.demand` adds the requests in
+behind those that try) the mean of the recorded ones; :attr:`Admission.demand` adds the requests in
 flight at the last refusal. With nobody waiting both are 0.
 """
 

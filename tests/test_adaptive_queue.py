@@ -6,6 +6,7 @@ cold context beside it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,47 @@ def test_eight_clients_run_live_together_after_one_growth(tmp_path: Path, tiny_m
                 assert model.admission.waiting_cells == 0
             assert daemon.adaptive.switches == 1 and runtime.pool_cells == grown  # no further resize
             assert daemon.adaptive.draining == set()
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_requests_that_waited_for_the_grown_pool_start_together(tmp_path: Path, tiny_model: Path) -> None:
+    """The first burst after start: 8 clients at once, the pool (512 cells) holds some of them. Those that waited
+    for cells start together once the pool grew (as many try at once as there are free sequences) and their prompts
+    go into the same step, so their first tokens come at one step (two at most, should the engine thread take a
+    step between their starts). The old engine started them one per step behind each other (only the head of the
+    queue tried, and a step's prompt tokens beside a stream were capped at 64 in all): 5 distinct steps here."""
+    async def scenario() -> None:
+        daemon = Daemon(config_for(tmp_path, tiny_model), FakeDevice(8 * 2**30), Engine(2))
+        try:
+            await daemon.complete("m", 1, "Hello")  # loaded
+            runtime = daemon.models["m"].runtime
+            assert runtime is not None and runtime.pool_cells == INITIAL_POOL
+            steps = 0
+            stepped = runtime.step
+
+            def counted(*args: object) -> object:  # engine thread
+                nonlocal steps
+                steps += 1
+                return stepped(*args)
+
+            runtime.step = counted  # type: ignore[method-assign]
+            first: dict[int, int] = {}
+
+            def on_token(agent: int, token: object) -> None:  # engine thread: the step of the agent's first token
+                first.setdefault(agent, steps)
+
+            results = await asyncio.gather(*(daemon.complete("m", TOKENS, prompt(agent, 0),
+                                                             on_token=functools.partial(on_token, agent),
+                                                             queue=("client", agent)) for agent in range(AGENTS)))
+            assert all(result.generation.generated_tokens > 0 for result in results)
+            assert sorted(first) == list(range(AGENTS))
+            assert daemon.adaptive.switches == 1 and runtime.pool_cells >= AGENTS * 2 * TOKENS
+            waited = sorted(step for step in first.values() if step > min(first.values()))
+            assert waited, "every request fitted the first pool: nothing waited for cells"
+            assert len(set(waited)) <= 2, waited
         finally:
             await daemon.close()
 

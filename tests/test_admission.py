@@ -42,3 +42,23 @@ def test_a_ticket_that_gives_up_leaves_without_taking_the_turn() -> None:
     assert admission.head() is first
     admission.leave("x", first)
     assert admission.head() is other and admission.waiting == 1
+
+
+def test_the_turn_is_the_start_order_as_far_as_there_are_free_sequences() -> None:
+    """:meth:`Admission.turn` lists the tickets that try at once: the first ``count`` of the order :func:`drain`
+    starts them in (round-robin over keys from the head's), always the head, never more tickets than wait."""
+    admission = Admission()
+    keys: dict[object, str] = {}
+    tickets: dict[str, list[object]] = {"hog": [], "a": [], "b": []}
+    for name in ("hog", "hog", "hog", "a", "b", "b"):
+        ticket = object()
+        keys[ticket] = name
+        tickets[name].append(ticket)
+        admission.join(name, ticket)
+    order = [tickets["hog"][0], tickets["a"][0], tickets["b"][0], tickets["hog"][1], tickets["b"][1],
+             tickets["hog"][2]]
+    assert admission.turn(0) == [admission.head()] == order[:1]
+    assert admission.turn(3) == order[:3]
+    assert admission.turn(100) == order
+    assert [keys[ticket] for ticket in order] == drain(admission, keys)
+    assert admission.turn(4) == []

@@ -213,6 +213,31 @@ def test_a_prefill_limit_makes_smaller_chunks_beside_a_stream(weights: ModelWeig
     assert_matches(runs[1], solo(weights, long, 8))
 
 
+def test_prompts_joining_together_beside_a_stream_are_evaluated_in_one_step(weights: ModelWeights) -> None:
+    """The first burst of agents: one streams already, three more join at once. Their prompts (each shorter than
+    ``prefill_limit``) go into the next step together, not one prompt per step behind each other (the old
+    planner's step held the stream's token and ONE prompt), so all three sample their first token after that one
+    step; every output still matches its solo run."""
+    first = weights.tokenize(PROMPTS[0], bos=True)
+    joining = [weights.tokenize(text, bos=True) for text in PROMPTS[1:4]]
+    limit = max(len(tokens) for tokens in joining)
+    with flash_off(weights, n_ctx=N_CTX, n_seq_max=4, n_batch=N_BATCH, n_threads=THREADS,
+                   prefill_limit=limit) as context:
+        context.add(0, first, GREEDY, 12)
+        runs: dict[int, Run] = {}
+        record(context, context.step(), runs)
+        for seq_id, tokens in enumerate(joining, start=1):
+            context.add(seq_id, tokens, GREEDY, 8)
+        events = context.step()
+        record(context, events, runs)
+        assert context.last_batch == 1 + sum(len(tokens) for tokens in joining)
+        assert sorted(event.seq_id for event in events) == [0, 1, 2, 3]  # every joiner's first token now
+        finish(context, runs)
+    assert_matches(runs[0], solo(weights, first, 12))
+    for seq_id, tokens in enumerate(joining, start=1):
+        assert_matches(runs[seq_id], solo(weights, tokens, 8))
+
+
 def test_each_sequence_samples_with_its_own_seed(weights: ModelWeights) -> None:
     prompt = weights.tokenize(PROMPTS[0], bos=True)
     seeds = (1, 2, 1)
@@ -403,11 +428,22 @@ def test_plan_gives_every_generating_sequence_its_token_before_any_prompt_chunk(
 
 def test_plan_limits_prompt_chunks_only_while_a_stream_waits() -> None:
     streaming = [Work(0, 1, True), Work(1, 300, False), Work(2, 5, False)]
-    assert plan_step(streaming, 512, prefill_limit=64) == [Take(0, 1, True), Take(1, 64, False)]
+    assert plan_step(streaming, 512, prefill_limit=64) == [Take(0, 1, True), Take(1, 64, False), Take(2, 5, True)]
     prefilling = [Work(1, 300, False), Work(2, 5, False)]
     assert plan_step(prefilling, 512, prefill_limit=64) == [Take(1, 300, True), Take(2, 5, True)]
     with pytest.raises(ValueError):
         plan_step(streaming, 512, prefill_limit=0)
+
+
+def test_plan_evaluates_prompts_that_joined_together_in_one_step_beside_a_stream() -> None:
+    """A burst: seven 64-token prompts join while one agent already streams. Each advances by up to
+    ``prefill_limit`` in the same step (one ``llama_decode``), not one prompt per step behind the others; the batch
+    still holds at most ``n_batch`` tokens."""
+    burst = [Work(0, 1, True)] + [Work(seq_id, 64, False) for seq_id in range(1, 8)]
+    takes = plan_step(burst, 512, prefill_limit=64)
+    assert takes == [Take(0, 1, True)] + [Take(seq_id, 64, True) for seq_id in range(1, 8)]
+    assert plan_step(burst, 200, prefill_limit=64) == [Take(0, 1, True), Take(1, 64, True), Take(2, 64, True),
+                                                       Take(3, 64, True), Take(4, 7, False)]
 
 
 def test_plan_skips_idle_sequences_and_waits_when_the_batch_is_full() -> None:
@@ -443,13 +479,13 @@ def test_plan_invariants(work: list[Work], n_batch: int, prefill_limit: int | No
     generating = [item.seq_id for item in work if item.generating and item.pending]
     served = [take.seq_id for take in takes if by_id[take.seq_id].generating]
     assert served == generating[:n_batch]  # every stream first, in join order
+    chunk = prefill_limit if served and prefill_limit is not None else n_batch
+    for take in takes:
+        if not by_id[take.seq_id].generating:
+            assert take.count <= chunk  # each prompt advances by at most prefill_limit beside a stream
     prompt_tokens = sum(take.count for take in takes if not by_id[take.seq_id].generating)
-    if served and prefill_limit is not None:
-        assert prompt_tokens <= prefill_limit
-    waiting = sum(item.pending for item in work if not item.generating)
+    waiting = sum(min(item.pending, chunk) for item in work if not item.generating)
     room = n_batch - len(served)
-    if served and prefill_limit is not None:
-        room = min(room, prefill_limit)
     assert prompt_tokens == min(waiting, room)  # no room left unused while prompts wait
 
 

@@ -2,14 +2,16 @@
 agent), first come first served within a key. Pure.
 
 A model's live context has ``live_slots`` sequences; when they are all busy, the requests that want one wait here,
-and a new request that finds others waiting queues behind them. Only the request at the :meth:`Admission.head`
-tries to start, so a client with 64 requests queued waits its turn like everyone else: the next sequence freed goes
-to the next key in the ring, not to the oldest request overall.
+and a new request that finds others waiting queues behind them. Only the requests at the front of that order try to
+start (:meth:`Admission.turn`: as many as there are free sequences, at least the :meth:`Admission.head`), so a
+client with 64 requests queued waits its turn like everyone else: the next sequence freed goes to the next key in
+the ring, not to the oldest request overall. Several free sequences (a grown pool swapped in) let as many requests
+try at once, so that they start before the same step and their prompts are evaluated together, not one per step.
 
 A request refused for want of KV cells while a sequence was free (:class:`ShortOfCells`) records the cells it needs
 and those of the requests in flight (:meth:`Admission.short_of_cells`). :attr:`Admission.waiting_cells` is what the
 queue adds to the pool's demand: the recorded needs, and for each ticket that has not tried yet (it waits its turn
-behind the head, which alone tries) the mean of the recorded ones; :attr:`Admission.demand` adds the requests in
+behind those that try) the mean of the recorded ones; :attr:`Admission.demand` adds the requests in
 flight at the last refusal. With nobody waiting both are 0.
 """
 
@@ -86,6 +88,20 @@ class Admission:
         if not self._ring:
             return None
         return self._queues[self._ring[0]][0]
+
+    def turn(self, count: int) -> list[object]:
+        """The first ``count`` tickets (at least one) in the order they start: round-robin over the keys from the
+        head's, first come first served within a key."""
+        order: list[object] = []
+        depth = 0
+        wanted = max(1, count)
+        while len(order) < wanted:
+            layer = [self._queues[key][depth] for key in self._ring if len(self._queues[key]) > depth]
+            if not layer:
+                break
+            order.extend(layer)
+            depth += 1
+        return order[:wanted]
 
     def leave(self, key: Hashable, ticket: object) -> None:
         """``ticket`` started (or gave up): its key's next ticket waits for every other key's turn."""

@@ -419,7 +419,7 @@ class Requests(DaemonBase):
         try:
             while True:
                 seen = model.ended
-                if not queued or model.admission.head() is ticket:
+                if not queued or self._may_try(model, ticket):
                     request = await started(self.engine.submit(functools.partial(start, queued), queue=queue), cancel)
                     short = request if isinstance(request, ShortOfCells) else None
                     if request is not None and request is not WAIT_TURN and request is not DRAINING and short is None:
@@ -440,12 +440,19 @@ class Requests(DaemonBase):
                             continue  # the grown pool went live while it tried (its wake-up came before this wait)
                         await self._wait_for_wake(model)  # the pool's swap (undrain) wakes it
                         continue
-                if model.ended == seen or model.admission.head() is not ticket:
+                if model.ended == seen or not self._may_try(model, ticket):
                     await self._wait_for_wake(model)
         finally:
             if queued:
                 model.admission.leave(queue, ticket)
                 self._wake(model)
+
+    def _may_try(self, model: Model, ticket: object) -> bool:
+        """Whether the queued ``ticket`` tries to start now: it is among the first waiting requests, one for each
+        sequence free now (at least the head), so that requests let in together start before the same step."""
+        runtime = model.runtime
+        free = 1 if runtime is None else runtime.live_slots - len(runtime.slots.requests)
+        return ticket in model.admission.turn(free)
 
     def model_bytes(self, model: Model) -> int:
         """The ledger bytes ``model`` holds now: weights, live context, a context being prepared, a cold one."""

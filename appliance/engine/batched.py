@@ -347,7 +347,7 @@ class BatchedContext:
     A sequence claims, when it joins, the cells its prompt and ``max_tokens`` may need; one that would not fit
     beside the others' claims is refused (``CONTEXT_OVERFLOW``), so a step never runs out of cells. A finished
     sequence keeps its cells (it may be saved) until :meth:`cancel` removes it. ``prefill_limit`` (default: none
-    but ``n_batch``) bounds the prompt tokens of a step in which other sequences stream, so their gap between two
+    but ``n_batch``) bounds each prompt's chunk in a step in which other sequences stream, so their gap between two
     tokens stays short (:func:`~appliance.engine.schedule.plan_step`). Single-threaded: see the module docstring.
     """
 

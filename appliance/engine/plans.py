@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FIXED_PREFILL_LIMIT = 64
-"""``prefill_limit`` of every plan: a 448-token prompt joining a stream stalls it 112 ms (see above)."""
+"""``prefill_limit`` of every plan: a 448-token prompt joining a stream stalls it 112 ms per step (see above)."""
 MAX_BATCH = 512
 """The largest ``n_batch`` of any plan."""
 
@@ -59,7 +59,7 @@ MAX_BATCH = 512
 class Plan:
     """The llama.cpp batch parameters of a live context: ``n_batch`` (most tokens one ``llama_decode`` takes),
     ``n_ubatch`` (most tokens one compute graph runs: a longer batch runs as several), ``prefill_limit`` (most
-    prompt tokens a step adds beside running streams; None: up to ``n_batch``)."""
+    tokens of one prompt a step adds beside running streams; None: up to ``n_batch``)."""
 
     name: str
     n_batch: int

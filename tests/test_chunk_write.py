@@ -1,11 +1,14 @@
 """A streamed body's chunks written straight to the connection (:mod:`appliance.http.chunkwrite`): the bytes h11
-would write, and only while ``send`` would do no more than write them. uvicorn's own h11 request-response cycle on
-a recording transport."""
+would write, and only while ``send`` would do no more than write them (uvicorn's own h11 request-response cycle on
+a recording transport); and an OpenAI stream's tokens written by its run's sink while the stream waits for them,
+in order with everything else it writes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import threading
 from typing import Any
 
 import h11
@@ -13,6 +16,9 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
+from appliance.engine.interface import Token
+from appliance.errors import ApplianceError
+from appliance.http import openai
 from appliance.http.chunkwrite import SCOPE_KEY, ChunkWriter, chunk, writer_of
 
 
@@ -125,3 +131,74 @@ def test_the_writer_is_found_in_the_scope_where_the_server_put_one() -> None:
     assert writer_of({"extensions": {SCOPE_KEY: writer}}) is writer
     assert writer_of({"extensions": {}}) is None
     assert writer_of({}) is None
+
+
+# -- a stream's tokens written by its sink while the stream waits (appliance.http.openai.events) ---------------------
+
+
+class Writes:
+    """A :class:`ChunkWriter` stand-in: keeps what it wrote; ``open`` False: it cannot write now."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.open = True
+
+    def write(self, data: bytes) -> bool:
+        if self.open:
+            self.chunks.append(data)
+        return self.open
+
+
+class StreamRun:
+    """What :func:`~appliance.http.openai.events` and the run's sink use of a :class:`~appliance.http.openai.Run`."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.direct = None
+        self.cancel = threading.Event()
+        self.task: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def sink(self, tokens: list[Token]) -> bool:
+        return openai.Run._sink(self, tokens)  # type: ignore[arg-type]
+
+
+def tokens(*texts: str) -> list[Token]:
+    return [Token(index, text, index, 0.0) for index, text in enumerate(texts)]
+
+
+def texts_of(data: bytes) -> list[str]:
+    events = [block.removeprefix("data: ") for block in data.decode().split("\n\n") if block.startswith("data: {")]
+    return [json.loads(event)["choices"][0]["text"] for event in events]
+
+
+def test_tokens_that_come_while_the_stream_waits_are_written_by_the_sink_in_order() -> None:
+    """Fails before the sink wrote: every delivery then woke the stream through its queue."""
+
+    async def scenario() -> None:
+        run = StreamRun()
+        writes = Writes()
+        stream = openai.events(run, tokens("a"), openai.CompletionShape("m", False, False), writes)  # type: ignore[arg-type]
+        assert texts_of(await anext(stream)) == ["a"]  # the first write: the stream's own
+        following = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        assert run.direct is not None  # waiting for the next delivery
+        assert run.sink(tokens("b", "c")) and run.sink(tokens("d"))
+        assert [texts_of(chunk) for chunk in writes.chunks] == [["bc"], ["d"]] and run.queue.empty()
+        writes.open = False  # the connection cannot take it now: rendered, queued, written by the stream
+        assert run.sink(tokens("e"))
+        run.queue.put_nowait(openai.PING)
+        assert run.sink(tokens("f"))  # behind the ping: queued as it is
+        assert texts_of(await following) == ["e", "f"] and len(writes.chunks) == 2
+        following = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        writes.open = True
+        assert run.sink(tokens("g"))
+        assert texts_of(writes.chunks[-1]) == ["g"]
+        run.task.set_exception(ApplianceError("CANCELLED", "the task was cancelled"))
+        run.queue.put_nowait(openai.END)
+        end = await following
+        assert b'"CANCELLED"' in end and run.direct is None  # the end went through the stream: nothing after it
+        assert run.sink(tokens("h")) and run.queue.get_nowait() == tokens("h")  # queued, never written
+        await stream.aclose()
+
+    asyncio.run(scenario())

@@ -30,14 +30,23 @@ def ready(queue: asyncio.Queue[Any], first: Any) -> list[Any]:
     return items
 
 
-async def deliveries(queue: asyncio.Queue[Any], first: Any, end: object) -> AsyncIterator[tuple[list[Any], bool]]:
+async def deliveries(queue: asyncio.Queue[Any], first: Any, end: object,
+                     parked: Callable[[bool], None] | None = None) -> AsyncIterator[tuple[list[Any], bool]]:
     """The items of a stream's ``queue`` from ``first`` (already taken) up to ``end`` (left out), in lists of what
     was queued together (:func:`ready`: one write's worth each), each with whether it is the last (``end`` came
-    with it: the stream's end can go in the same write)."""
+    with it: the stream's end can go in the same write). ``parked(True)`` is called as it starts waiting for the
+    next item (everything before was handed out and written), ``parked(False)`` as it wakes."""
     items = ready(queue, first)
     while end not in items:
         yield items, False
-        items = ready(queue, await queue.get())
+        if parked is not None:
+            parked(True)
+        try:
+            item = await queue.get()
+        finally:
+            if parked is not None:
+                parked(False)
+        items = ready(queue, item)
     yield items[:items.index(end)], True
 
 

@@ -32,6 +32,7 @@ from appliance.http import cors, refusals
 from appliance.http.affinity import RUN_STATE, AffinityHeaders, appliance_instance
 from appliance.http.affinity import response_headers as affinity_headers
 from appliance.http.assets import web_dir
+from appliance.http.chunkwrite import SCOPE_KEY, ChunkWriter
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
 from appliance.http.headwrite import HeldHeadTransport
 from appliance.http.openai_schema import MAX_BODY_BYTES
@@ -231,7 +232,9 @@ class GuardedH11Protocol(H11Protocol):
     * an idle keep-alive connection closes after ``http.keep_alive_timeout_s`` (uvicorn's timer, set per
       connection from the current config);
     * a response's head leaves with the first write that follows it in the same event-loop step
-      (:class:`~appliance.http.headwrite.HeldHeadTransport`): a small response is one socket write.
+      (:class:`~appliance.http.headwrite.HeldHeadTransport`): a small response is one socket write;
+    * a streamed body's chunks may be written past the middlewares and h11 (:class:`~appliance.http.chunkwrite.
+      ChunkWriter`, in the request's scope).
     """
 
     def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
@@ -273,6 +276,8 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not None and self.cycle is not cycle:  # a request began: its response gets one write
             self.cycle.transport = HeldHeadTransport(self.transport, self.loop)  # type: ignore[assignment]
+            extensions = self.cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+            extensions[SCOPE_KEY] = ChunkWriter(self.cycle)  # its stream's chunks skip the middlewares and h11
 
     def _refuse(self, data: bytes) -> None:
         """Read the refused connection's request head, answer 503 TOO_MANY_CONNECTIONS and close."""

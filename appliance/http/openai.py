@@ -58,9 +58,10 @@ from appliance.engine.chat import ChatTemplate, read_chat_template, render_promp
 from appliance.engine.interface import Generation, Grammar, Prompt, PromptText, Token, TokenLogprobs
 from appliance.engine.reply import ReplyEvent, ReplyStream
 from appliance.errors import ApplianceError
+from appliance.http import chunkwrite, sse
 from appliance.http import openai_schema as schema
-from appliance.http import sse
 from appliance.http.affinity import note_run
+from appliance.http.chunkwrite import ChunkWriter
 from appliance.http.errors import error_body
 from appliance.http.jsonreply import JSONReply
 from appliance.protocol.identifiers import user_agent_id
@@ -249,6 +250,7 @@ class Run:
         self.grammar_param = "response_format" if options.response_grammar is not None else "tools"
         self.cancel = threading.Event()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.direct: Callable[[list[Token]], bool] | None = None  # set by a stream waiting for tokens (events)
         self.param = "X-Agent-Id" if AGENT_HEADER in request.headers else "user"
         self.registrations = registrations(request)
         client = request.scope.get("client") or ("?", 0)
@@ -266,7 +268,9 @@ class Run:
         return schema.agent_name(self.options.user, request.headers.get(AGENT_HEADER))
 
     def _sink(self, tokens: list[Token]) -> bool:
-        self.queue.put_nowait(tokens)
+        direct = self.direct
+        if direct is None or not direct(tokens):
+            self.queue.put_nowait(tokens)
         return True
 
     def _ping(self) -> None:
@@ -499,17 +503,33 @@ class CompletionShape(Shape):
         return [self.chunk("", done.finish())]
 
 
-async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
+async def events(run: Run, first: Any, shape: Shape, chunks: ChunkWriter | None = None) -> AsyncIterator[bytes]:
     """The SSE body, one bytes object per write: the opening chunk, the chunks of each batch of tokens, the last
     chunks, the usage chunk (``include_usage``) and ``[DONE]``; an error after the start is one
     ``data: {"error": ...}`` event. Everything queued at a wake-up is one write (:func:`sse.deliveries`): the opening
     goes with the first tokens, and the end (last chunks, usage, ``[DONE]``) with whatever came just before it. If
-    the stream stops early (its client left), the generation is cancelled."""
+    the stream stops early (its client left), the generation is cancelled.
+
+    With the request's ``chunks`` writer, a delivery of tokens that comes while the stream waits for one (nothing
+    queued, nothing being written) is written at once by the run's sink, the same bytes in the same order, without
+    waking this generator (``write_now``); one the writer cannot take now is queued as its bytes."""
+
+    def write_now(tokens: list[Token]) -> bool:
+        if chunks is None or not run.queue.empty():  # behind what is queued (a ping, the end): in order
+            return False
+        data = b"".join(shape.tokens(tokens))
+        if data and not chunks.write(data):
+            run.queue.put_nowait(data)  # rendered: written through send, after what was written before
+        return True
+
+    def parked(waiting: bool) -> None:
+        run.direct = write_now if waiting else None
+
     try:
         out = shape.opening()
-        async for items, last in sse.deliveries(run.queue, first, END):
+        async for items, last in sse.deliveries(run.queue, first, END, parked):
             for item in items:
-                out.extend((PING,) if item is PING else shape.tokens(item))
+                out.extend((item,) if isinstance(item, bytes) else shape.tokens(item))  # a ping, rendered tokens
             if out and not last:
                 yield b"".join(out)
                 out = []
@@ -525,6 +545,7 @@ async def events(run: Run, first: Any, shape: Shape) -> AsyncIterator[bytes]:
         out.append(schema.event("[DONE]"))
         yield b"".join(out)
     finally:
+        run.direct = None
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
 
@@ -550,7 +571,7 @@ async def respond(request: Request, run: Run, shape: Shape, plain: Any) -> Respo
         await run.watch(request, run.task)
         return JSONReply(plain(outcome(run.task)))
     first = await first_batch(request, run)
-    return sse.EventStream(events(run, first, shape), run.cancel.set)
+    return sse.EventStream(events(run, first, shape, chunkwrite.writer_of(request.scope)), run.cancel.set)
 
 
 # -- routes --------------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from appliance.http import chunkwrite
+
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """An event stream's headers: no cache, and no buffering by a proxy in front (nginx)."""
 
@@ -28,14 +30,23 @@ def ready(queue: asyncio.Queue[Any], first: Any) -> list[Any]:
     return items
 
 
-async def deliveries(queue: asyncio.Queue[Any], first: Any, end: object) -> AsyncIterator[tuple[list[Any], bool]]:
+async def deliveries(queue: asyncio.Queue[Any], first: Any, end: object,
+                     parked: Callable[[bool], None] | None = None) -> AsyncIterator[tuple[list[Any], bool]]:
     """The items of a stream's ``queue`` from ``first`` (already taken) up to ``end`` (left out), in lists of what
     was queued together (:func:`ready`: one write's worth each), each with whether it is the last (``end`` came
-    with it: the stream's end can go in the same write)."""
+    with it: the stream's end can go in the same write). ``parked(True)`` is called as it starts waiting for the
+    next item (everything before was handed out and written), ``parked(False)`` as it wakes."""
     items = ready(queue, first)
     while end not in items:
         yield items, False
-        items = ready(queue, await queue.get())
+        if parked is not None:
+            parked(True)
+        try:
+            item = await queue.get()
+        finally:
+            if parked is not None:
+                parked(False)
+        items = ready(queue, item)
     yield items[:items.index(end)], True
 
 
@@ -52,7 +63,9 @@ async def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) 
 class EventStream(Response):
     """An SSE response: each bytes object ``body`` yields is one body message (the events of one write), then the
     end of the body. While it is written, one task watches the connection: a client that leaves calls
-    ``on_disconnect`` (the body is expected to end soon after: its generation is cancelled)."""
+    ``on_disconnect`` (the body is expected to end soon after: its generation is cancelled). Where the server gave
+    the request a :class:`~appliance.http.chunkwrite.ChunkWriter`, a body message goes out through it (straight to
+    the connection, the same bytes) whenever it can."""
 
     media_type = "text/event-stream"
 
@@ -65,10 +78,12 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.create_task(watch_disconnect(receive, self.on_disconnect))
+        chunks = chunkwrite.writer_of(scope)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for data in self.body_iterator:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                if chunks is None or not data or not chunks.write(data):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
         finally:
             watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -126,3 +126,62 @@ def test_a_step_wakes_the_loop_once_for_all_its_streams(tmp_path: Path, tiny_mod
     assert jobs < steps, (jobs, steps)
     # A job of several steps hands each step's tokens over as the step ends, not all at the job's end.
     assert all(len(parts) > 1 for parts in streamed), streamed
+
+
+class StampingLoop(CountingLoop):
+    """A counting loop that also numbers its iterations and stamps each hand-over from another thread with the
+    iteration that runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.iterations = 0
+        self.handovers: list[int] = []
+
+    def _run_once(self) -> None:
+        self.iterations += 1
+        super()._run_once()  # type: ignore[misc]
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any,
+                             context: Any = None) -> asyncio.Handle:
+        def stamped(*given: Any) -> None:
+            self.handovers.append(self.iterations)
+            callback(*given)
+        return super().call_soon_threadsafe(stamped, *args, context=context)
+
+
+def test_a_stateless_reply_is_made_in_the_loop_iteration_that_learns_of_its_end(tmp_path: Path,
+                                                                                 tiny_model: Path) -> None:
+    """The engine job's wake-up first tells the request it ended; ``on_result`` (where MAGN writes its
+    TASK_COMPLETE) runs right there, not after the job's result has gone through futures to the caller's task
+    (two more loop iterations and the rest of the request's code); the request's counters still count it."""
+    daemon, _ = make_daemon(tmp_path, tiny_model)
+    loop = StampingLoop()
+
+    async def scenario() -> list[tuple[int, int, str]]:
+        try:
+            await daemon.complete("m", 1, "Hello world", GREEDY)  # loads the model, reads its memory once
+            seen = []
+            answered: list[tuple[int, str]] = []
+
+            def on_result(result: Any) -> None:
+                answered.append((loop.iterations, result.generation.text))
+
+            for n in range(4):
+                answered.clear()
+                handovers = len(loop.handovers)
+                result = await daemon.complete("m", 1, f"Hello world {n}", GREEDY, on_result=on_result)
+                assert len(loop.handovers) == handovers + 1  # one wake-up for the whole request
+                assert len(answered) == 1 and answered[0][1] == result.generation.text
+                seen.append((loop.handovers[-1], answered[0][0], result.generation.text))
+            return seen
+        finally:
+            await daemon.close()
+
+    try:
+        decodes_before = 1
+        seen = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert all(woke == answered for woke, answered, _ in seen), seen
+    assert daemon.counters["decodes"] == decodes_before + 4
+    assert daemon.counters["tokens"] == decodes_before + 4

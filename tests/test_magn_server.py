@@ -416,3 +416,24 @@ def test_tasks_beyond_the_per_connection_limit_are_refused_and_the_connection_go
                    "temperature": 0})  # its slot is free again, and the task_id may be reused
         assert isinstance(peer.read_until_end("second")[-1], m.TaskComplete)
         peer.close()
+
+
+def test_a_client_that_leaves_right_after_its_reply_still_has_its_request_counted_and_logged(model_dir: Path) -> None:
+    """TASK_COMPLETE is written as the request ends, before the daemon's bookkeeping: a client that closes its
+    socket the moment it has its reply still has its request in the counters and the request log, as ok."""
+    with running({"tiny": {"path": str(model_dir / "tiny.gguf")}}, model_dirs=[model_dir]) as app:
+        for n in range(3):
+            decodes = app.daemon.counters["decodes"]
+            logged = len(app.daemon.requests)
+            peer = RawPeer(app.socket)
+            peer.send({"type": "INFER_REQUEST", "task_id": f"t{n}", "model": "tiny", "prompt": f"Hello {n}",
+                       "max_tokens": 1, "temperature": 0})
+            done = peer.read_token()
+            peer.close()
+            assert isinstance(done, m.TaskComplete) and done.usage.completion_tokens == 1
+            deadline = time.monotonic() + 30
+            while len(app.daemon.requests) == logged and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert app.daemon.counters["decodes"] == decodes + 1
+            record = app.daemon.requests.recent(1)[0]
+            assert (record.surface, record.outcome, record.generated_tokens) == ("magn", "ok", 1)

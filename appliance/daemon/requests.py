@@ -246,8 +246,11 @@ class Requests(DaemonBase):
         have replaced the runtime. Accepted before a graceful stop began, it still runs until the grace is over.
 
         ``on_result`` (on the loop, must not raise) gets the result as soon as it is known, before the bookkeeping
-        that no reply needs (the model's load profile sample): a surface writes its reply from it. It is not called
-        for a request that raises."""
+        that no reply needs (counters, the model's load profile sample): a surface writes its reply from it. A
+        request in the live context gets it in the loop callback that learns of its end (:meth:`_request_ended`,
+        the first of its engine job's wake-up), not after the job's result has travelled through the futures to
+        this task (two more loop iterations and this method's tail). It is not called for a request that ended
+        with an error."""
         if self.grace_over:
             raise ApplianceError("SHUTTING_DOWN")
         if model.runtime is None:
@@ -263,10 +266,43 @@ class Requests(DaemonBase):
         source: str | None = None  # where its KV state was when it first tried to start
         from_disk = False  # its state was read back from its KV file
 
+        answered = False  # on_result was called as the request ended (answer_at_end)
+
+        def result_of(request: Any) -> DecodeResult:
+            """The request's result, once it ended without an error (on the loop)."""
+            generation: Generation = request.generation
+            evicted_convs = [*parked, *request.evicted]
+            evicted = owner.get(id(evicted_convs[0]), "~anonymous") if evicted_convs else None
+            re_evaluated = rebuilt and not request.restored  # re-evaluated, or shared from a live conversation (L10)
+            notice = None
+            if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
+                notice, agent.notice = agent.notice, None
+            restored_from = "none"
+            if request.restored:
+                restored_from = "disk" if from_disk else "host"
+            elif source == "device":
+                restored_from = "device"
+            elif re_evaluated:
+                restored_from = "tokens"
+            return DecodeResult(agent_id, model.key, generation, evicted, request.restored, re_evaluated,
+                                tuple(dropped), notice, request.plan, request.threads, request.memory_bytes,
+                                restored_from)
+
+        def answer_at_end(request: Any) -> None:
+            """On the loop, in the callback that learns of the request's end: ``on_result`` now, unless what comes
+            before the reply is not done yet (a cold context to close, the model's first memory reading)."""
+            nonlocal answered, result
+            if on_result is None or cold_held or model.measured is None or request.error is not None:
+                return
+            result = result_of(request)
+            answered = True
+            on_result(result)
+
         def on_done(request: Any) -> None:  # engine thread
             self.decoding -= 1
             model.decoding -= 1
-            wakeups.call_soon(loop, self._request_ended, model, ended, request)  # with the job's result: one wake-up
+            # With the job's result: one wake-up; its first callback answers the request (answer_at_end).
+            wakeups.call_soon(loop, self._request_ended, model, ended, request, answer_at_end)
 
         def start(queued: bool, cold: bool = False) -> Any:
             nonlocal rebuilt, source, from_disk
@@ -326,6 +362,8 @@ class Requests(DaemonBase):
             raise
         model.active += 1
         cold_held = False
+        parked: list[Conversation] = []
+        result: DecodeResult | None = None
         try:
             parked = await self._open_context(model)
             if model.pending is not None:
@@ -353,6 +391,8 @@ class Requests(DaemonBase):
                     await ended
                 if isinstance(request, Request):
                     self.adaptive.observe(model, request)
+            if answered and result is not None:  # its client got its reply: it counts like any other
+                self._tally(result, len(parked) + len(request.evicted))
             raise
         finally:
             fitted = None
@@ -375,36 +415,24 @@ class Requests(DaemonBase):
             self.kv_swap_seconds += moved["seconds"]
         if request.error is not None:
             raise request.error
-        generation: Generation = request.generation
-        evicted_convs = [*parked, *request.evicted]
-        evicted = None
-        if evicted_convs:
-            evicted = owner.get(id(evicted_convs[0]), "~anonymous")
-        rebuilt = rebuilt and not request.restored  # re-evaluated, or shared from a live conversation (L10)
-        notice = None
-        if agent is not None and generation.stop_reason != "cancelled":  # its client gets this result
-            notice, agent.notice = agent.notice, None
-        restored_from = "none"
-        if request.restored:
-            restored_from = "disk" if from_disk else "host"
-        elif source == "device":
-            restored_from = "device"
-        elif rebuilt:
-            restored_from = "tokens"
-        result = DecodeResult(agent_id, model.key, generation, evicted, request.restored, rebuilt, tuple(dropped),
-                              notice, request.plan, request.threads, request.memory_bytes, restored_from)
-        self.counters[f"restored_from_{restored_from}"] += 1
-        self.counters["decodes"] += 1
-        self.counters["host_kv_rebuilds"] += result.rebuilt
-        self.counters["tokens"] += generation.generated_tokens
-        self.counters["kv_swaps"] += len(evicted_convs)
-        self.counters["kv_restores"] += result.restored
+        if result is None:
+            result = result_of(request)
+        self._tally(result, len(parked) + len(request.evicted))
         if model.measured is None:
             model.measured = max(0, process_bytes(await asyncio.to_thread(self.device.read)) - model.baseline)
-        if on_result is not None:  # its reply goes out now (nothing awaited after it); the profile's sample after
+        if on_result is not None and not answered:  # its reply goes out now (nothing awaited after it)
             on_result(result)
         self.adaptive.observe(model, request)
         return result
+
+    def _tally(self, result: DecodeResult, swaps: int) -> None:
+        """Count a request that got its result (``swaps``: the conversations it parked)."""
+        self.counters[f"restored_from_{result.restored_from}"] += 1
+        self.counters["decodes"] += 1
+        self.counters["host_kv_rebuilds"] += result.rebuilt
+        self.counters["tokens"] += result.generation.generated_tokens
+        self.counters["kv_swaps"] += swaps
+        self.counters["kv_restores"] += result.restored
 
     async def _admit(self, model: Model, start: Callable[[bool], Any], queue: Hashable,
                      cancel: threading.Event | None = None) -> Any:
@@ -472,14 +500,17 @@ class Requests(DaemonBase):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _request_ended(self, model: Model, ended: asyncio.Future[Any], request: Any) -> None:
+    def _request_ended(self, model: Model, ended: asyncio.Future[Any], request: Any,
+                       answer: Callable[[Any], None]) -> None:
         """A request of ``model`` ended on the engine thread (now on the loop): its caller wakes, and so does
-        every request waiting for a free sequence of the model."""
+        every request waiting for a free sequence of the model; then ``answer`` (its reply, before anything the
+        caller does once it wakes)."""
         model.ended += 1
         request.memory_bytes = self.model_bytes(model)  # the pool only grows while it runs: its peak
         if not ended.done():
             ended.set_result(request)
         self._wake(model)
+        answer(request)
 
     def _drive(self, model: Model) -> None:
         """Make sure the model's step loop runs (a request was just started)."""

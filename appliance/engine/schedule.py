@@ -12,9 +12,9 @@ every step, a stream by its token, a prompt by up to ``prefill_limit`` tokens. P
 of agents) are therefore evaluated together, in one step, not one prompt per step behind each other. Measured
 (``benchmarks/concurrency.py``, 12x768 f16, 2 threads, 8 agents' 64-token prompts, one prompt per step before this):
 a burst's first tokens came 100, 190, 285, 408, 547, 648, 779 and 913 ms after sending, one step apart, while
-``llama-server`` evaluates them in one batch. A step's stall of the streams then grows with the prompts that joined (at most ``n_batch``
-tokens), and one larger ``llama_decode`` costs less than the same tokens in several steps.
-With no stream waiting, prompts take the whole batch (the quickest first token).
+``llama-server`` evaluates them in one batch. A step's stall of the streams then grows with the prompts that
+joined (at most ``n_batch`` tokens), and one larger ``llama_decode`` costs less than the same tokens in several
+steps. With no stream waiting, prompts take the whole batch (the quickest first token).
 """
 
 from __future__ import annotations

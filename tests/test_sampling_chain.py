@@ -6,6 +6,7 @@ tokens), whose grammar-constrained output behaves as the real model's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -22,6 +23,7 @@ from appliance.engine.batched import BatchedContext, ModelWeights, SeqEvent
 from appliance.engine.fake import FakeEngine, fake_logprobs
 from appliance.engine.interface import GREEDY, Conversation, Grammar, Prompt, Sampling, Token
 from appliance.engine.runtime import Runtime
+from appliance.engine.sampler import SequenceSampler
 from appliance.engine.sampling import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_RULES, shape
 from appliance.engine.triggers import Feed, TriggerWatch, compile_patterns
 from appliance.errors import ApplianceError
@@ -100,6 +102,35 @@ def test_the_chain_draws_what_llama_cpps_own_sampler_draws_with_penalties_and_mi
                 drawn.append(context.generated(0))
     assert drawn == expected
     assert expected[0] != expected[1]
+
+
+PLAIN_SETTINGS = [
+    Sampling(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((42, 3.0), (7, -math.inf))),
+    Sampling(temperature=0.9, top_k=30, top_p=0.9, min_p=0.05, repeat_penalty=1.2, seed=5),
+    Sampling(temperature=1.3, seed=11, presence_penalty=0.4, penalty_last_n=8, logit_bias=((42, 2.0),)),
+    Sampling(temperature=1.0, seed=3),
+]
+
+
+@pytest.mark.parametrize("sampling", PLAIN_SETTINGS)
+def test_a_plain_sequence_draws_in_c_the_tokens_the_numpy_draw_gives(tiny: Runtime, sampling: Sampling) -> None:
+    """A plain sequence (no grammar, no log-probabilities) samples with ``llama_sampler_sample`` over its whole
+    chain; asking for log-probabilities sends the same settings through the numpy draw: the same tokens (bias,
+    penalties over prompt and output, the seeded random stream), each run alone so that the logits are equal."""
+    weights = tiny.weights
+    prompt = weights.tokenize("the story of a model and its memory", bos=True)
+    drawn = []
+    for settings in (sampling, dataclasses.replace(sampling, logprobs=0)):
+        sampler = SequenceSampler(weights, settings, prompt)
+        assert sampler.plain == (settings.logprobs is None)
+        sampler.free()
+        with BatchedContext(weights, n_ctx=N_CTX, n_seq_max=1, n_batch=64, n_threads=THREADS) as context:
+            context.add(0, prompt, settings, 24)
+            while context.has_work():
+                context.step()
+            drawn.append(context.generated(0))
+    assert drawn[0] == drawn[1]
+    assert len(drawn[0]) == 24 and len(set(drawn[0])) > 2  # a draw, not one token over and over
 
 
 def test_penalties_count_the_prompt_and_the_generated_tokens(tiny: Runtime) -> None:

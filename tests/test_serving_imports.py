@@ -38,6 +38,7 @@ NOT_SERVING = {
     "diskcache": "llama-cpp-python's prompt cache (its high-level API)",
     "jinja2": "a model's chat template (the demo model has none) and the admin page's first view",
     "difflib": "the hint of an unknown key in a config that has one",
+    "numpy": "a draw with a grammar or log-probabilities, and embeddings (a plain one samples in C)",
 }
 """Modules (and their submodules) a serving process must not have imported, and who uses them instead."""
 

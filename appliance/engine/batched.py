@@ -62,19 +62,23 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from appliance.engine import flash, llamalog
 from appliance.engine.bindings import llama_cpp
 from appliance.engine.flash import FlashMode
 from appliance.engine.interface import GREEDY, Grammar, Sampling, StopReason
-from appliance.engine.sampler import NO_TOKEN, Candidates, Draw, GrammarParts, SequenceSampler
+from appliance.engine.sampler import NO_TOKEN, Draw, GrammarParts, SequenceSampler
 from appliance.engine.sampling import check_grammar, sampling_error
 from appliance.engine.sampling import check_sampling as check_settings
 from appliance.engine.schedule import SeqEvent, Work, plan_step
 from appliance.engine.triggers import compile_patterns
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from appliance.engine.candidates import Candidates
 
 GGML_TYPES: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
@@ -254,8 +258,11 @@ class ModelWeights:
         return GrammarParts(prototype, patterns, frozenset(tokens))
 
     def candidates(self) -> Candidates:
-        """The buffer every sequence of this model samples in (one at a time, on the engine thread)."""
+        """The buffer every sequence of this model with a grammar or log-probabilities samples in (one at a time,
+        on the engine thread); made at the first such draw."""
         if self._candidates is None:
+            from appliance.engine.candidates import Candidates  # lazy: numpy, which plain sequences never need
+
             self._candidates = Candidates(self.n_vocab)
         return self._candidates
 
@@ -512,7 +519,7 @@ class BatchedContext:
         """A sequence's own sampler, and the tokens it was told of (those its penalties look at)."""
         self.weights.check_sampling(sampling)
         kept = tuple(seen[len(seen) - sampling.penalty_last_n:]) if sampling.penalty_last_n > 0 else ()
-        return SequenceSampler(self.weights, self.weights.candidates(), sampling, kept), kept
+        return SequenceSampler(self.weights, sampling, kept), kept
 
     def cancel(self, seq_id: int) -> None:
         """Remove sequence ``seq_id`` (generating or resting): its KV cells, its sampler, its state. No other
@@ -774,15 +781,20 @@ class BatchedContext:
         row = self._outputs.get(seq_id)
         if row is None:
             raise ApplianceError("BAD_REQUEST", "the sequence sampled nothing in the last step", {"seq_id": seq_id})
-        pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
-        return np.ctypeslib.as_array(pointer, shape=(self.weights.n_vocab,)).copy()
+        from appliance.engine.candidates import logits_row  # lazy: numpy, which serving needs only for some draws
+
+        return logits_row(self.ctx, row, self.weights.n_vocab).copy()
 
     def _sample(self, seq: _Sequence, row: int) -> SeqEvent | None:
         """The sequence's next token from its output ``row``; None when its grammar's draw goes on beside the
-        next decode (its event comes later)."""
-        pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
-        logits = np.ctypeslib.as_array(pointer, shape=(self.weights.n_vocab,))
-        draw = seq.sampler.draw(logits)
+        next decode (its event comes later). A plain sequence samples in C, without numpy."""
+        sampler = seq.sampler
+        if sampler.plain:
+            return self._event(seq, sampler.sample(self.ctx, row))
+        from appliance.engine.candidates import logits_row  # lazy: numpy, for grammars and log-probabilities only
+
+        logits = logits_row(self.ctx, row, self.weights.n_vocab)
+        draw = sampler.draw(logits)
         if draw is not None:
             return self._event(seq, draw)
         if self._drawer is None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 POOLING_NONE = 0  # GGUF's (and llama.cpp's) pooling type values
 POOLING_MEAN = 1
@@ -68,6 +70,8 @@ def pooling_of(value: str | None) -> int:
 
 def normalised(vector: np.ndarray) -> np.ndarray:
     """``vector`` scaled to L2 norm 1 (float32); a zero vector is refused (``INTERNAL``: it has no direction)."""
+    import numpy as np  # lazy: a serving process holds numpy only once it computes embeddings
+
     values = np.asarray(vector, dtype=np.float64)
     norm = float(np.linalg.norm(values))
     if not np.isfinite(norm) or norm == 0.0:

@@ -19,13 +19,12 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.engine import flash, gpubuild, modelcheck, plans
 from appliance.engine.adaptive import FIXED, Tuning
 from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.embedding import Embeddings, check_dimensions, context_size
-from appliance.engine.embedding_context import EmbeddingContext
 from appliance.engine.flash import FlashMode
 from appliance.engine.interface import (  # re-exported: importers of these from here keep working
     GREEDY,
@@ -40,6 +39,9 @@ from appliance.engine.loopfuture import loop_future
 from appliance.engine.slots import Request, SlotRuntime, Slots
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from appliance.engine.embedding_context import EmbeddingContext
 
 __all__ = ["GREEDY", "Conversation", "Engine", "Generation", "Runtime", "Sampling", "StopReason", "Token", "Where"]
 
@@ -151,6 +153,8 @@ class Runtime(SlotRuntime):
     def open_embeddings(self) -> None:
         """Build the embeddings context (:mod:`appliance.engine.embedding`) if it is not open."""
         if self.embeddings is None:
+            from appliance.engine.embedding_context import EmbeddingContext  # lazy: numpy, for embeddings only
+
             self.embeddings = EmbeddingContext(self.weights, n_ctx=context_size(self.n_ctx),
                                                n_threads=self.embedding_threads)
 

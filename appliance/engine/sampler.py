@@ -21,6 +21,11 @@ its own settings, grammar and log-probabilities, apart from every other sequence
   llama.cpp's own lazy sampler would.
 * **Log-probabilities** come from the raw logits row, before any sampler
   (:func:`~appliance.engine.sampling.token_logprobs`).
+* **A plain sequence** (no grammar, no log-probabilities) samples in C: ``llama_sampler_sample`` fills the candidates
+  from the context's logits row, runs the whole chain (the pre samplers, then the draw) and accepts the token, the
+  same samplers in the same order over the same candidates as the draw through numpy, so the same token and the same
+  random stream (:meth:`SequenceSampler.sample`). Only a grammar or log-probabilities need the numpy buffer of
+  :mod:`appliance.engine.candidates`, imported with the first such draw.
 
 Everything here runs on the engine thread (the thread of the sequence's context), but for
 :meth:`SequenceSampler.draw_constrained`, which runs on one other thread while the engine thread leaves that sequence
@@ -30,25 +35,23 @@ alone.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.bindings import llama_cpp
 from appliance.engine.interface import Grammar, Sampling, TokenLogprobs
 from appliance.engine.sampling import token_logprobs
 from appliance.engine.triggers import Feed, TriggerPattern, TriggerWatch
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from appliance.engine.candidates import Candidates
+
 NO_TOKEN = -1
 """The token of a draw that found none: the grammar allows nothing."""
-CHUNKS = (64, 1024)
-"""How many of the likeliest candidates the grammar checks first, then next, before the whole vocabulary."""
-
-CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
-"""``llama_token_data``, as a numpy record."""
-assert CANDIDATE.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
 class SamplerVocabulary(Protocol):
@@ -63,6 +66,8 @@ class SamplerVocabulary(Protocol):
 
     def grammar_parts(self, grammar: Grammar) -> GrammarParts: ...
 
+    def candidates(self) -> Candidates: ...
+
 
 @dataclass(frozen=True)
 class GrammarParts:
@@ -75,32 +80,6 @@ class GrammarParts:
     @property
     def lazy(self) -> bool:
         return bool(self.patterns or self.tokens)
-
-
-class Candidates:
-    """A reusable ``llama_token_data_array`` over a numpy buffer (one per model: the engine thread samples one
-    sequence at a time)."""
-
-    def __init__(self, n_vocab: int) -> None:
-        self.ids = np.arange(n_vocab, dtype=np.int32)
-        self.buffer = np.zeros(n_vocab, dtype=CANDIDATE)
-
-    def fill(self, logits: np.ndarray) -> np.ndarray:
-        """Every token with its logit (the buffer, reused)."""
-        self.buffer["id"] = self.ids
-        self.buffer["logit"] = logits
-        self.buffer["p"] = 0.0
-        return self.buffer
-
-
-def as_array(records: np.ndarray) -> llama_cpp.llama_token_data_array:
-    """A ``llama_token_data_array`` over ``records`` (contiguous ``CANDIDATE`` records, kept alive by the caller)."""
-    pointer = records.ctypes.data_as(llama_cpp.llama_token_data_p)
-    return llama_cpp.llama_token_data_array(pointer, records.size, -1, False)
-
-
-def apply(sampler: llama_cpp.llama_sampler_p, array: llama_cpp.llama_token_data_array) -> None:
-    llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
 
 
 def chain_of(samplers: Sequence[llama_cpp.llama_sampler_p]) -> llama_cpp.llama_sampler_p:
@@ -154,8 +133,8 @@ class GrammarGate:
             raise MemoryError("llama.cpp could not copy a grammar sampler")
         self.vocabulary = vocabulary
         self.watch = TriggerWatch(parts.patterns, parts.tokens) if parts.lazy else None
-        self._one = np.zeros(1, dtype=CANDIDATE)
-        self._one_array = as_array(self._one)
+        self._one = llama_cpp.llama_token_data(0, 0.0, 0.0)
+        self._one_array = llama_cpp.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
 
     @property
     def active(self) -> bool:
@@ -166,12 +145,14 @@ class GrammarGate:
         """The grammar would take ``token`` now (checked on that one candidate)."""
         if not 0 <= token < self.vocabulary.n_vocab:
             return False
-        self._one[0] = (token, 0.0, 0.0)
+        self._one.id = token
+        self._one.logit = 0.0
+        self._one.p = 0.0
         self._one_array.size = 1
         self._one_array.selected = -1
         self._one_array.sorted = False
-        apply(self.sampler, self._one_array)
-        return bool(np.isfinite(self._one["logit"][0]))
+        llama_cpp.llama_sampler_apply(self.sampler, ctypes.byref(self._one_array))
+        return math.isfinite(self._one.logit)
 
     def take(self, token: int) -> bool:
         """Accept ``token`` if the grammar allows it; False (nothing accepted) when it does not."""
@@ -193,28 +174,12 @@ class GrammarGate:
                     return False
         return True
 
-    def allowed(self, candidates: np.ndarray, need: int) -> np.ndarray:
-        """The candidates the grammar allows: the likeliest first, chunk by chunk, until ``need`` are found (0:
-        all of them). Candidates already at ``-inf`` (a bias of -inf) are never allowed."""
-        logits = candidates["logit"]
-        checked = np.zeros(candidates.size, dtype=bool)
-        found: list[np.ndarray] = []
-        count = 0
-        for size in (*(chunk for chunk in CHUNKS if chunk < candidates.size), candidates.size):
-            if size < candidates.size:
-                chosen = np.argpartition(-logits, size - 1)[:size]
-                chosen = chosen[~checked[chosen]]
-            else:
-                chosen = np.flatnonzero(~checked)
-            checked[chosen] = True
-            subset = candidates[chosen]  # a copy
-            apply(self.sampler, as_array(subset))
-            valid = subset[np.isfinite(subset["logit"])]
-            found.append(valid)
-            count += valid.size
-            if need and count >= need:
-                break
-        return np.concatenate(found) if found else candidates[:0]
+    def allowed(self, records: np.ndarray, need: int) -> np.ndarray:
+        """The candidates the grammar allows among ``records``, at least ``need`` of them when there are (0:
+        all; :func:`~appliance.engine.candidates.allowed`)."""
+        from appliance.engine import candidates  # lazy: numpy, for grammars only
+
+        return candidates.allowed(self.sampler, records, need)
 
     def free(self) -> None:
         if self.sampler is not None:
@@ -235,37 +200,45 @@ class Draw:
 
 class SequenceSampler:
     """The sampler of one sequence (module docstring): ``seen`` are the tokens before its first generated one (its
-    conversation and prompt), which its penalties count."""
+    conversation and prompt), which its penalties count. A :attr:`plain` one samples with :meth:`sample`, any other
+    with :meth:`draw` (and :meth:`draw_constrained` when its grammar refuses)."""
 
-    def __init__(self, vocabulary: SamplerVocabulary, candidates: Candidates, sampling: Sampling,
-                 seen: Sequence[int] = ()) -> None:
+    def __init__(self, vocabulary: SamplerVocabulary, sampling: Sampling, seen: Sequence[int] = ()) -> None:
         self.vocabulary = vocabulary
-        self.candidates = candidates  # shared: the engine thread's draws
         self.own: Candidates | None = None  # its own, for draws beside the next decode
         self.sampling = sampling
+        self.gate: GrammarGate | None = None
         pre = pre_samplers(sampling, vocabulary.n_vocab)
         self.pre = chain_of(pre) if pre else None
         self.draw_chain = chain_of(draw_samplers(sampling))
+        self.chain = chain_of([self.pre, self.draw_chain]) if self.pre is not None else self.draw_chain
+        """The whole chain, which owns ``pre`` and ``draw_chain``: every token is accepted in it."""
         if sampling.temperature <= 0.0:
             self.need = 1
         else:
             self.need = sampling.top_k if sampling.top_k > 0 else 0
-        self.gate: GrammarGate | None = None
         try:
             if sampling.grammar is not None:
                 self.gate = GrammarGate(vocabulary.grammar_parts(sampling.grammar), vocabulary)
         except BaseException:
             self.free()
             raise
+        self.plain = self.gate is None and sampling.logprobs is None
+        """No grammar, no log-probabilities: :meth:`sample` draws its tokens in C."""
         if self.pre is not None and sampling.penalty_last_n > 0:
             for token in list(seen)[-sampling.penalty_last_n:]:
                 llama_cpp.llama_sampler_accept(self.pre, token)
         self.dead = False
 
+    def sample(self, ctx: llama_cpp.llama_context_p, row: int) -> Draw:
+        """The next token of a :attr:`plain` sequence from output ``row`` of ``ctx``, accepted by every sampler:
+        ``llama_sampler_sample`` over the whole chain, as :meth:`draw` would draw it (no grammar: a token always)."""
+        return Draw(int(llama_cpp.llama_sampler_sample(self.chain, ctx, row)))
+
     def draw(self, logits: np.ndarray) -> Draw | None:
         """The next token from ``logits`` (the sequence's raw logits row), accepted by every sampler; None when its
         grammar refused the chain's pick: then :meth:`draw_constrained` draws it (on any one thread)."""
-        first = self._draw_from(self._biased(logits, self.candidates))
+        first = self._draw_from(self._biased(logits, self.vocabulary.candidates()))
         if first == NO_TOKEN:
             return Draw(NO_TOKEN, stop=True)
         gate = self.gate
@@ -276,6 +249,8 @@ class SequenceSampler:
     def draw_constrained(self, logits: np.ndarray) -> Draw:
         """The draw again over the tokens the grammar allows (after :meth:`draw` gave None). It touches only this
         sampler and ``logits`` (a copy of the row the caller keeps), so it may run beside the next decode."""
+        from appliance.engine.candidates import Candidates  # lazy: numpy, for grammars only
+
         gate = self.gate
         assert gate is not None
         if self.own is None:
@@ -305,9 +280,7 @@ class SequenceSampler:
 
     def _accept(self, token: int) -> tuple[bool, bool]:
         """Accept ``token`` in the chain and the grammar: (the generation must stop, its text is the grammar's)."""
-        if self.pre is not None:
-            llama_cpp.llama_sampler_accept(self.pre, token)
-        llama_cpp.llama_sampler_accept(self.draw_chain, token)
+        llama_cpp.llama_sampler_accept(self.chain, token)
         gate = self.gate
         if gate is None:
             return False, False
@@ -321,25 +294,24 @@ class SequenceSampler:
 
     def _biased(self, logits: np.ndarray, candidates: Candidates) -> np.ndarray:
         """Every token with its logit after bias and penalties (in ``candidates``' buffer)."""
+        from appliance.engine.candidates import apply  # lazy: numpy, for grammars and log-probabilities only
+
         records = candidates.fill(logits)
         if self.pre is not None:
-            apply(self.pre, as_array(records))
+            apply(self.pre, records)
         return records
 
     def _draw_from(self, records: np.ndarray) -> int:
-        array = as_array(records)
-        apply(self.draw_chain, array)
-        if not 0 <= array.selected < array.size:
-            return NO_TOKEN
-        return int(array.data[array.selected].id)
+        from appliance.engine.candidates import picked  # lazy: numpy, for grammars and log-probabilities only
+
+        token = picked(self.draw_chain, records)
+        return NO_TOKEN if token is None else token
 
     def free(self) -> None:
-        for name in ("pre", "draw_chain"):
-            sampler = getattr(self, name, None)
-            if sampler is not None:
-                llama_cpp.llama_sampler_free(sampler)
-                setattr(self, name, None)
+        chain = getattr(self, "chain", None)
+        if chain is not None:
+            llama_cpp.llama_sampler_free(chain)  # with pre and draw_chain, which it owns
+        self.chain = self.pre = self.draw_chain = None
         if getattr(self, "gate", None) is not None:
             self.gate.free()
             self.gate = None
-

@@ -1,5 +1,6 @@
 """A request's sampling settings checked against a model's vocabulary, and the log-probabilities of a logits row
-(pure: numpy, no llama.cpp). :mod:`appliance.engine.sampler` runs the settings on llama.cpp's samplers.
+(pure: no llama.cpp; numpy, imported with the first request for log-probabilities).
+:mod:`appliance.engine.sampler` runs the settings on llama.cpp's samplers.
 
 Every setting a sampler would take badly (a NaN that poisons every logit, a penalty llama.cpp asserts on, a token id
 outside the vocabulary, a grammar with a NUL byte that C would cut short) is refused here, before anything changes,
@@ -11,11 +12,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from appliance.engine.interface import Grammar, Sampling, TokenLogprob, TokenLogprobs
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_LOGPROBS = 20
 """The most alternatives a token's log-probabilities may list (OpenAI's ``top_logprobs`` bound)."""
@@ -124,6 +127,8 @@ def repeats(count: str) -> int:
 def token_logprobs(row: np.ndarray, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprobs:
     """``token``'s natural-log probability under the raw logits ``row`` (a log-softmax in float64) and the ``top``
     likeliest tokens with theirs, most likely first (ties: the lower id first)."""
+    import numpy as np  # lazy: a serving process holds numpy only once a request asks for log-probabilities
+
     values = row.astype(np.float64)
     peak = float(values.max())
     total = peak + math.log(float(np.exp(values - peak).sum()))

@@ -12,11 +12,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from appliance.http.openai_schema import IGNORED, MAX_TOKEN_ID, bad, identifier, integer, text_field
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_INPUTS = 2048
 """Inputs one request may hold (OpenAI's bound)."""
@@ -92,6 +93,8 @@ def embeddings_request(body: dict[str, Any]) -> EmbeddingsRequest:
 
 def encoded(vector: np.ndarray, encoding: Encoding) -> list[float] | str:
     """One vector as ``float`` (a list of numbers) or ``base64`` (its little-endian float32 bytes)."""
+    import numpy as np  # lazy: a serving process holds numpy only once it computes embeddings
+
     values = np.asarray(vector, dtype="<f4")
     if encoding == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")

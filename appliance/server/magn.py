@@ -41,9 +41,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.daemon.core import Daemon
@@ -67,6 +65,9 @@ from appliance.server.heartbeat import beats_due
 from appliance.server.outcome import embed, error_of, generate
 from appliance.server.peer import ReadClock, flush_within, peer_gone, read_within, socket_settings, unread_bytes
 from appliance.server.pump import TokenPump
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -511,6 +512,8 @@ def embeddings_answer(request: m.EmbedRequest, vectors: Sequence[np.ndarray], pr
                       max_frame_bytes: int) -> m.Embeddings:
     """The EMBEDDINGS of a request's vectors (float32 values as the HTTP route's ``float`` encoding gives them), or
     ``FRAME_TOO_LARGE`` when its frame would be over ``max_frame_bytes``. Blocking (off the loop: big lists)."""
+    import numpy as np  # lazy: a serving process holds numpy only once it computes embeddings
+
     data = tuple(tuple(float(x) for x in np.asarray(vector, dtype="<f4")) for vector in vectors)
     answer = m.Embeddings(request.task_id, request.model, data, m.EmbedUsage(prompt_tokens))
     length = len(m.encode_message(answer)) - HEADER.size

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -308,15 +309,25 @@ def test_a_reload_during_a_retune_is_retuned_after_it(tmp_path: Path, monkeypatc
 
     retune = AdaptiveLoop._retune
     released = asyncio.Event()
+    reached = asyncio.Event()
+    armed = asyncio.Event()  # the retunes before it (a sampled request's) are not the test's
     decided: list[bool] = []
 
     async def slow_retune(loop: AdaptiveLoop, model: object, threads_only: bool) -> None:
         await retune(loop, model, threads_only)  # type: ignore[arg-type]
+        if not armed.is_set():
+            return
         decided.append(loop.daemon.config.engine.adaptive)
         if len(decided) == 1:
+            reached.set()
             await released.wait()  # still in progress when the reload comes
 
     monkeypatch.setattr(AdaptiveLoop, "_retune", slow_retune)
+
+    async def retunes_ended(model: Any) -> None:
+        """Until the model's retune and the ones it scheduled as it ended are over (no poll)."""
+        while model.retuning is not None and not model.retuning.done():
+            await asyncio.gather(model.retuning, return_exceptions=True)
 
     async def scenario() -> None:
         daemon = Daemon(config_of(True), FakeDevice("8GiB", process_used=0), FakeEngine(), clock=ManualClock())
@@ -324,18 +335,15 @@ def test_a_reload_during_a_retune_is_retuned_after_it(tmp_path: Path, monkeypatc
             await daemon.register("a", "m")
             await daemon.decode("a", 4, "hello")
             model = daemon.models["m"]
-            await asyncio.sleep(0.1)
-            assert model.runtime.tuning.plan != FIXED and not decided
+            await retunes_ended(model)
+            assert model.runtime.tuning.plan != FIXED
+            armed.set()
             daemon.adaptive.schedule(model)
-            while not decided:
-                await asyncio.sleep(0.01)
+            await reached.wait()
             daemon.apply_config(config_of(False))  # the fixed strategy: asks for a retune while one runs
             assert model.runtime.tuning.plan != FIXED
             released.set()
-            for _ in range(500):
-                if model.runtime.tuning.plan == FIXED:
-                    break
-                await asyncio.sleep(0.01)
+            await retunes_ended(model)  # the one it asked for runs after it
             assert decided == [True, False]
             assert (model.runtime.tuning.plan, model.runtime.pool_cells) == (FIXED, 2048)
         finally:

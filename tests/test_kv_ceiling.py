@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from appliance.config.validate import parse_config
+from appliance.daemon.adaptive import fitted
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import FakeDevice
 from appliance.engine import tuning
@@ -159,3 +160,26 @@ def test_the_daemon_does_not_grow_a_pool_past_what_its_conversations_leave_of_n_
             await daemon.close()
 
     asyncio.run(scenario())
+
+
+class CountingFits:
+    """The daemon's side of :func:`~appliance.daemon.adaptive.fitted`: counts the host-KV fits it is asked for."""
+
+    def __init__(self) -> None:
+        self.fits = 0
+
+    def fit_host_kv(self, reserve: int = 0) -> list[str]:
+        self.fits += 1
+        return ["dropped"]
+
+
+def test_a_switch_that_parks_nothing_skips_the_host_kv_fit_and_one_that_parks_fits_in_the_same_job() -> None:
+    daemon = CountingFits()
+    parked = [Conversation()]
+
+    def move(result: list[Conversation] | None) -> list[Conversation] | None:
+        return result
+
+    assert fitted(daemon, move, None) == (None, []) and daemon.fits == 0  # nothing changed
+    assert fitted(daemon, move, []) == ([], []) and daemon.fits == 0  # switched, host RAM as it was
+    assert fitted(daemon, move, parked) == (parked, ["dropped"]) and daemon.fits == 1

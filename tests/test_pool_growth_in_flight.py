@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import yaml
 from appliance.config.validate import parse_config
 from appliance.daemon.core import Daemon, context_key
 from appliance.daemon.devices import FakeDevice
+from appliance.engine import gguf_meta
 from appliance.engine.adaptive import INITIAL_POOL, Tuning
 from appliance.engine.interface import GREEDY, Conversation, Sampling, Token
 from appliance.engine.runtime import Engine, Runtime
@@ -194,3 +196,30 @@ def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_
             await daemon.close()
 
     asyncio.run(scenario())
+
+
+def test_a_request_carried_into_a_grown_pool_passes_through_host_ram_as_one_copy(tiny_model: Path) -> None:
+    """A request in flight goes to the grown pool through host RAM as one copy of its cells: lifted into one
+    buffer, landed from it in place (a second copy beside it, as a lift into bytes or a land that copies them
+    again made, doubled the peak of a growth: 2 x 108 MiB for a 3084-cell conversation of the 12x768 model)."""
+    runtime = runtime_of(tiny_model, SMALL * 4)
+    try:
+        request = runtime.begin(Conversation(), " ".join(f"word{n % 97}" for n in range(300)), 8, GREEDY)
+        assert isinstance(request, Request) and request.seq_id is not None
+        runtime.step()  # its prompt is in the context
+        cells = runtime.context.cells(request.seq_id)
+        one_copy = gguf_meta.kv_bytes(gguf_meta.read_model_shape(tiny_model), cells)
+        assert one_copy > 2**20
+        runtime.prepare(Tuning(GROWN * 4, "S", 1))
+        tracemalloc.start()
+        try:
+            assert runtime.switch(carry=True) == []
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert runtime.pool_cells == GROWN * 4 and runtime.context.cells(request.seq_id) == cells
+        assert one_copy <= peak < 1.25 * one_copy
+        run_out(runtime, [request])
+        assert request.error is None and request.generation is not None
+    finally:
+        runtime.close()

@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.daemon import offload
@@ -100,6 +100,33 @@ def usable_cores() -> int:
     return tuning.usable_cores(affinity, quota, period)
 
 
+@dataclass(frozen=True)
+class KvCells:
+    """One reading of a model's KV cells (:func:`kv_cells`): what each live conversation holds, or will hold by the
+    end of its request in flight (``live``: a growth happens once the requests in flight ended, or carries them
+    over), what they hold now (``evaluated``), and the host buffers: parked states and reuse buffers."""
+
+    live: tuple[int, ...]
+    evaluated: int
+    parked: int
+    reused: int
+
+    @property
+    def held(self) -> int:
+        """What a context built beside the live one finds held in host RAM, in cells: the host buffers and the
+        buffer the move copies its largest live conversation through."""
+        return self.parked + self.reused + max(self.live, default=0)
+
+
+def kv_cells(runtime: Any) -> KvCells:
+    """``runtime``'s :class:`KvCells` now (a snapshot, safe off the engine thread)."""
+    needs = {id(request.conv): request.need for request in list(runtime.slots.requests.values())}
+    live = runtime.live
+    parked, reused = runtime.slots.host_cells()
+    return KvCells(tuple(max(conv.n_evaluated, needs.get(id(conv), 0)) for conv in live),
+                   sum(conv.n_evaluated for conv in live), parked, reused)
+
+
 def log_failure(job: asyncio.Future[Any]) -> None:
     if not job.cancelled() and job.exception() is not None:
         log.error("adaptive engine: an engine job failed", exc_info=job.exception())
@@ -117,8 +144,8 @@ def fitted(daemon: Any, move: Callable[..., list[Conversation] | None], *args: A
     states over ``host_kv_budget`` between the two. Returns what ``move`` returned (None: nothing changed) and the
     agents whose parked state was dropped."""
     parked = move(*args, **kwargs)
-    if parked is None:
-        return None, []
+    if not parked:  # nothing changed, or nothing parked: host RAM holds what it held
+        return parked, []
     return parked, daemon.fit_host_kv()
 
 
@@ -240,25 +267,11 @@ class AdaptiveLoop:
             self.daemon.ledger.try_reserve(key, nbytes)
 
     # -- the model's KV memory, in cells (never more than the fixed strategy's n_ctx) --------------------------
-    def live_cells(self, runtime: Any) -> list[int]:
-        """The cells each live conversation of ``runtime`` holds, or will hold by the end of its request in flight
-        (its need: a growth happens once the requests in flight ended, or carries them over)."""
-        needs = {id(request.conv): request.need for request in list(runtime.slots.requests.values())}
-        return [max(conv.n_evaluated, needs.get(id(conv), 0)) for conv in runtime.live]
-
-    def held_cells(self, model: Model, runtime: Any) -> int:
-        """What a context built beside the live one finds held in host RAM, in cells: ``model``'s host buffers
-        (parked states, reuse buffers) and the buffer the move copies its largest live conversation through."""
-        parked, reused = runtime.slots.host_cells()
-        return parked + reused + max(self.live_cells(runtime), default=0)
-
-    def growth_ceiling(self, model: Model, runtime: Any) -> int:
+    def growth_ceiling(self, model: Model, runtime: Any, cells: KvCells) -> int:
         """The largest pool a growth of ``model``'s may build now (:func:`~appliance.engine.tuning.growth_ceiling`
-        on its live conversations and host buffers)."""
-        parked, reused = runtime.slots.host_cells()
-        cells = self.live_cells(runtime)
-        return tuning.growth_ceiling(max(runtime.pool_cells, 1), model.spec.n_ctx, live=sum(cells),
-                                     largest=max(cells, default=0), parked=parked, reused=reused,
+        on its live conversations and host buffers, as ``cells`` read them)."""
+        return tuning.growth_ceiling(max(runtime.pool_cells, 1), model.spec.n_ctx, live=sum(cells.live),
+                                     largest=max(cells.live, default=0), parked=cells.parked, reused=cells.reused,
                                      granularity=POOL_GRANULARITY)
 
     # -- sampling ---------------------------------------------------------------------------------------
@@ -358,11 +371,11 @@ class AdaptiveLoop:
         if runtime is None or not runtime.has_context:
             return
         tuner = self.tuner(model)
-        live_cells = sum(conv.n_evaluated for conv in runtime.live)
+        cells = kv_cells(runtime)
         if not threads_only:
             runtime.slots.keep_buffers = not tuner.settings.adaptive  # no second copy of a conversation in host RAM
-            tuner.limit(self.growth_ceiling(model, runtime))
-        wanted = tuner.decide(live_cells, self.cpu)
+            tuner.limit(self.growth_ceiling(model, runtime, cells))
+        wanted = tuner.decide(cells.evaluated, self.cpu)
         current = runtime.tuning
         if wanted.threads != current.threads:
             await self.daemon.engine.call(runtime.set_threads, wanted.threads, queue=("tune", model.key))
@@ -386,7 +399,7 @@ class AdaptiveLoop:
             return False
         grow = wanted.pool_cells > runtime.pool_cells
         if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx,
-                                    self.held_cells(model, runtime)):
+                                    kv_cells(runtime).held):
             return await self.rebuild(model, wanted, drain=grow)
         nbytes = self.context_bytes(model, wanted.pool_cells)
         key = next_key(model.key)
@@ -503,7 +516,7 @@ class AdaptiveLoop:
             return
         model.pending = None
         if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx,
-                                    self.held_cells(model, runtime)):
+                                    kv_cells(runtime).held):
             await self.rebuild(model, wanted, drain=False)  # the live context freed first: no peak above n_ctx
             return
         nbytes = self.context_bytes(model, wanted.pool_cells)

@@ -342,7 +342,7 @@ class LiftedSequence:
     sequence itself with its sampler (random stream, penalties and grammar as they are: nothing replayed) and
     the events of its draws settled but not delivered yet."""
 
-    state: bytes
+    state: bytearray  # the only host copy: landed in place, without another
     sequence: _Sequence
     ready: list[tuple[SeqEvent, np.ndarray]]
 
@@ -678,17 +678,22 @@ class BatchedContext:
         seq = self._sequence(seq_id)
         self._settle(seq, keep=True)  # its token drawn beside the decode goes with it
         size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
-        buffer = (ctypes.c_uint8 * max(size, 1))()
-        written = int(llama_cpp.llama_state_seq_get_data(self.ctx, buffer, size, seq_id))
+        state = bytearray(max(size, 1))  # the one host copy of its cells: land reads it in place
+        view = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        try:
+            written = int(llama_cpp.llama_state_seq_get_data(self.ctx, view, size, seq_id))
+        finally:
+            del view
         if written == 0 and size > 0:
             raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
+        del state[written:]  # in place: no second buffer
         ready = [(event, row) for event, row in self._ready if event.seq_id == seq_id]
         self._ready = [(event, row) for event, row in self._ready if event.seq_id != seq_id]
         del self._seqs[seq_id]
         self._outputs.pop(seq_id, None)
         self._drawn.pop(seq_id, None)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-        return LiftedSequence(bytes(buffer)[:written], seq, ready)
+        return LiftedSequence(state, seq, ready)
 
     def land(self, seq_id: int, lifted: LiftedSequence) -> None:
         """The free id ``seq_id`` becomes the :meth:`lift`-ed sequence: its cells back, its sampler and pending
@@ -702,8 +707,11 @@ class BatchedContext:
         self._check_room(seq.cells())
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         if lifted.state:
-            buffer = (ctypes.c_uint8 * len(lifted.state)).from_buffer_copy(lifted.state)
-            read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(lifted.state), seq_id))
+            buffer = (ctypes.c_uint8 * len(lifted.state)).from_buffer(lifted.state)  # read in place, no copy
+            try:
+                read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(lifted.state), seq_id))
+            finally:
+                del buffer
             if read == 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
                 raise ApplianceError("INTERNAL", "llama.cpp refused the lifted sequence state", {"seq_id": seq_id})

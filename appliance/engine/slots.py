@@ -461,9 +461,11 @@ class Slots:
                 continue
             size = self.context.state_size(seq_id)
             if len(buffer) < size:
+                buffer = bytearray()  # the smaller one goes before the larger one is allocated
                 buffer = bytearray(size)
             written = self.context.state_into(seq_id, buffer)
             context.load_state(seq_id, memoryview(buffer)[:written], self.context.cells(seq_id))
+        del buffer  # before a lifted request's state takes its place in host RAM
         old, self.context = self.context, context
         for seq_id in list(self.requests):  # one at a time: host RAM holds one sequence's state at once
             try:

@@ -76,20 +76,35 @@ def test_summary_aggregates_each_burst_over_its_wall_time_and_pools_the_ttfts() 
     fast = [concurrency.Stream(sent=5.0, first_token=5.2, last_token=6.0, text="a", tokens=8),
             concurrency.Stream(sent=5.0, first_token=5.4, last_token=6.0, text="c", tokens=8)]  # 16 in 1 s
     prompts = [concurrency.AgentPrompt("p", "a"), concurrency.AgentPrompt("q", "c")]
-    entry = concurrency.summarize_bursts([slow, fast, fast], prompts, 8, 1000)
+    others = [concurrency.AgentPrompt("r", "a"), concurrency.AgentPrompt("s", "b")]  # the first round's own
+    entry = concurrency.summarize_bursts([slow, fast, fast], [others, prompts, prompts], 8, 1000)
     assert entry["tokens_per_s_rounds"] == pytest.approx([8.0, 16.0, 16.0])
     assert entry["tokens_per_s"] == pytest.approx(16.0)  # the median round
     assert sorted(entry["ttft_ms"]) == pytest.approx([100, 200, 200, 300, 400, 400])
     assert entry["ttft_p50_ms"] == pytest.approx(250.0)
     assert entry["ttft_p99_ms"] == pytest.approx(400.0)
     assert entry["tokens_complete"] and entry["peak_rss_bytes"] == 1000
-    assert entry["texts_match_solo"] == [True, False, True, True, True, True]
+    assert entry["agents"] == 2
+    assert entry["texts_match_solo"] == [True] * 6  # each burst against its own prompts' solo texts
+    assert entry["texts_differing"] == []
+    swapped = concurrency.summarize_bursts([slow, fast], [prompts, others], 8, 1000)
+    assert swapped["texts_match_solo"] == [True, False, True, False]
+    assert [(d["round"], d["agent"]) for d in swapped["texts_differing"]] == [(0, 1), (1, 1)]
     short = concurrency.summarize_bursts([[slow[0], concurrency.Stream(sent=0.0, first_token=0.2, last_token=0.5,
-                                                                      tokens=3)]], prompts, 8, 1)
+                                                                      tokens=3)]], [prompts], 8, 1)
     assert not short["tokens_complete"]
-    failed = concurrency.summarize_bursts([[slow[0], concurrency.Stream(error="RuntimeError: HTTP 500")]], prompts,
+    failed = concurrency.summarize_bursts([[slow[0], concurrency.Stream(error="RuntimeError: HTTP 500")]], [prompts],
                                           8, 1)
     assert failed["tokens_per_s"] is None and failed["errors"] == ["RuntimeError: HTTP 500"]
+
+
+def test_every_round_sends_prompts_no_earlier_round_sent() -> None:
+    prompts = [concurrency.AgentPrompt(f"p{i}", f"s{i}") for i in range(12)]
+    rounds = [concurrency.round_prompts(prompts, attempt, 2, per_round=4) for attempt in range(3)]
+    assert [[p.text for p in sent] for sent in rounds] == [["p0", "p1"], ["p4", "p5"], ["p8", "p9"]]
+    assert [p.text for p in concurrency.round_prompts(prompts, 2, 4, per_round=4)] == ["p8", "p9", "p10", "p11"]
+    with pytest.raises(RuntimeError, match="round 3 needs prompts 12-13, only 12 were made"):
+        concurrency.round_prompts(prompts, 3, 2, per_round=4)
 
 
 def test_targets_need_both_sides() -> None:

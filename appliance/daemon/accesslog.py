@@ -75,17 +75,13 @@ def log_request(record: RequestRecord) -> None:
         log.exception("access log: a request record could not be written")
 
 
-def refusal_fields(method: str | None, path: str | None, status: int, error: ApplianceError,
-                   client: str | None) -> dict[str, Any]:
-    """The fields of a refused HTTP request's line, in order (``status``: the one sent, which may not be the
-    error's own: an admin page's 401 is a redirect to the login form)."""
-    return {"surface": "http", "method": method, "path": None if path is None else path[:MAX_PATH_CHARS],
-            "status": status, "outcome": "refused", "error": error.code, "client": client}
-
-
 def refusal_line(method: str | None, path: str | None, status: int, error: ApplianceError,
                  client: str | None) -> str:
-    return format_fields(refusal_fields(method, path, status, error, client))
+    """The line of a refused HTTP request (``status``: the one sent, which may not be the error's own: an admin
+    page's 401 is a redirect to the login form)."""
+    return format_fields({"surface": "http", "method": method,
+                          "path": None if path is None else path[:MAX_PATH_CHARS], "status": status,
+                          "outcome": "refused", "error": error.code, "client": client})
 
 
 def log_refusal(method: str | None, path: str | None, status: int, error: ApplianceError,

@@ -197,10 +197,10 @@ class Durable(DaemonBase):
         live change of ``engine.flash_attention`` applies to models loaded after it), or ``v_transposed``'s (the
         layout a parked state was saved in)."""
         identity = "" if model.file is None else file_identity_text(model.file)
-        if v_transposed is None:
-            runtime = model.runtime
-            v_transposed = runtime.v_transposed if runtime is not None else \
-                flash.v_transposed(flash.mode_of(self.config.engine.flash_attention))
+        if v_transposed is None and model.runtime is not None:
+            v_transposed = model.runtime.v_transposed
+        if v_transposed is None:  # no model loaded: the configured setting is the layout it will load with
+            v_transposed = flash.v_transposed(flash.mode_of(self.config.engine.flash_attention))
         return Validity(identity, model.spec.n_ctx, model.spec.cache_type, not v_transposed)
 
     def spill(self, agent: Agent) -> bool:

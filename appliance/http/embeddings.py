@@ -12,7 +12,7 @@ from starlette.routing import BaseRoute, Route
 from appliance.http import embeddings_schema as schema
 from appliance.http.openai import daemon_of, read_body
 from appliance.http.openai_schema import parse_body
-from appliance.http.refusals import note_recorded
+from appliance.http.refusals import note_logged
 from appliance.server.outcome import embed
 
 
@@ -20,7 +20,7 @@ async def embeddings(request: Request) -> JSONResponse:
     body = parse_body(await read_body(request))
     options = schema.embeddings_request(body)
     daemon = daemon_of(request)
-    note_recorded(request)  # the request log's record is its access line from here
+    note_logged(request.scope)  # the request log's record is its access line from here
     result = await embed(daemon, surface="openai", model=options.model, inputs=options.inputs,
                          dimensions=options.dimensions)
     document = await asyncio.to_thread(schema.embeddings_response, options.model, result.vectors,

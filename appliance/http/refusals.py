@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.types import Scope
 
 from appliance.daemon import accesslog
@@ -24,12 +23,9 @@ LOGGED_STATE = "appliance_logged"
 request log writes it, or its connection refused it (:func:`note_logged`)."""
 
 
-def note_recorded(request: Request) -> None:
-    """``request`` is handed to the daemon now: the request log's record is its access line, whatever its end."""
-    note_logged(request.scope)
-
-
 def note_logged(scope: Scope) -> None:
+    """The request of ``scope`` has its access line elsewhere from now on: it was handed to the daemon (the request
+    log's record is its line, whatever its end), or its connection refused it."""
     scope.setdefault("state", {})[LOGGED_STATE] = True
 
 

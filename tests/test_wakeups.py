@@ -60,9 +60,11 @@ def test_outside_a_job_call_soon_wakes_the_loop_at_once(loop: CountingLoop) -> N
         done.set()
 
     async def main() -> None:
-        threading.Thread(target=other_thread).start()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
         while len(seen) < 2:
             await asyncio.sleep(0.001)
+        thread.join()  # the calls may run before the thread sets ``done``: wait for it, not for a race
 
     loop.run_until_complete(main())
     assert done.is_set() and seen == [1, 2]

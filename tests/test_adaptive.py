@@ -11,17 +11,20 @@ from appliance.engine.adaptive import (
     INITIAL_POOL,
     MIN_SAMPLES,
     PRESETS,
+    TURN_CELLS,
     CpuShare,
     Settings,
     Tuner,
     Tuning,
     choose_threads,
     cpu_share,
+    initial_pool,
 )
 from appliance.engine.profile import RequestSample
 
 SETTINGS = Settings(adaptive=True, window_size=8, sample_rate=1, hot_pool_slack=1.2, plan_boundaries=(128, 512),
-                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False)
+                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False,
+                    live_slots=4)
 
 
 def sample(input_tokens: int = 50, peak: int = 100, threads: int = 2) -> RequestSample:
@@ -46,6 +49,17 @@ def test_an_adaptive_model_starts_small_and_a_fixed_one_with_its_whole_context()
     pinned = Tuner(replace(SETTINGS, fixed_threads=3, pinned_threads=True), 4096, usable_cores=8)
     assert pinned.current.threads == 3
     assert pinned.decide(0, CpuShare(5.0, 8)).threads == 3
+
+
+def test_the_initial_pool_holds_a_short_turn_for_every_live_sequence():
+    assert initial_pool(4096, 1) == INITIAL_POOL  # never below the floor
+    assert initial_pool(4096, 4) == 4 * TURN_CELLS == INITIAL_POOL
+    assert initial_pool(4096, 8) == 8 * TURN_CELLS
+    assert initial_pool(4096, 9) == 1280  # rounded up to llama.cpp's 256-cell padding
+    assert initial_pool(700, 8) == 700  # never past n_ctx
+    assert Tuner(replace(SETTINGS, live_slots=8), 4096, usable_cores=2).current == Tuning(8 * TURN_CELLS, "S", 2)
+    with pytest.raises(ValueError, match="live_slots"):
+        initial_pool(4096, 0)
 
 
 def test_nothing_moves_until_the_window_has_enough_samples():

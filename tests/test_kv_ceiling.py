@@ -22,7 +22,8 @@ from appliance.engine.runtime import Engine, Runtime
 from appliance.engine.tinymodel import write_tiny_model
 
 SETTINGS = Settings(adaptive=True, window_size=16, sample_rate=1, hot_pool_slack=1.2, plan_boundaries=(128, 512),
-                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False)
+                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False,
+                    live_slots=4)
 N_CTX = 16384
 WIDE_N_CTX = 4096
 

@@ -15,7 +15,8 @@ from appliance.engine.adaptive import MIN_SAMPLES, Settings, Tuner, Tuning
 from appliance.engine.profile import LoadProfile, RequestSample
 
 SETTINGS = Settings(adaptive=True, window_size=16, sample_rate=1, hot_pool_slack=1.2, plan_boundaries=(128, 512),
-                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False)
+                    thread_idle_thresholds=(60, 30), fixed_threads=2, pinned_threads=False,
+                    live_slots=4)
 N_CTX = 16384
 AGENT_NEED = 129  # one agent's turn: 64 prompt + 64 generated tokens, and its BOS
 

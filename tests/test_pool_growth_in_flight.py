@@ -18,7 +18,7 @@ from appliance.config.validate import parse_config
 from appliance.daemon.core import Daemon, context_key
 from appliance.daemon.devices import FakeDevice
 from appliance.engine import gguf_meta
-from appliance.engine.adaptive import INITIAL_POOL, Tuning
+from appliance.engine.adaptive import Tuning, initial_pool
 from appliance.engine.interface import GREEDY, Conversation, Sampling, Token
 from appliance.engine.runtime import Engine, Runtime
 from appliance.engine.slots import Request
@@ -124,14 +124,16 @@ def test_a_switch_without_carry_still_waits_for_the_requests_in_flight(tiny_mode
 
 AGENTS = 8
 LONG = 4
-LONG_TOKENS = 96
+BURST_CTX = 4096  # room for a grown pool beside the initial one
+INITIAL = initial_pool(BURST_CTX, AGENTS)
+LONG_TOKENS = INITIAL // LONG - 32  # with their ~25-token prompts the long ones fill most of the initial pool
 LATE_TOKENS = 16
 
 
 def config_for(tmp_path: Path, model: Path) -> object:
     text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(model.parent)],
             "engine": {"warmup_runs": 0, "live_slots": AGENTS, "threads": 1, "flash_attention": False},
-            "models": [{"name": "m", "path": str(model), "n_ctx": 2048}]}
+            "models": [{"name": "m", "path": str(model), "n_ctx": BURST_CTX}]}
     return parse_config(yaml.safe_dump(text), base_dir=tmp_path)
 
 
@@ -149,9 +151,9 @@ def solo_texts(model: Path) -> list[str]:
 
 
 def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_path: Path, tiny_model: Path) -> None:
-    """4 long requests fill most of the 512-cell pool; 4 more arrive while they decode and wait for cells: the pool
-    grows at once, the 4 late ones start in it and get their first token before any long one ends; every text is its
-    solo text; the ledger holds the grown pool's figure."""
+    """4 long requests fill most of the initial pool (1024 cells for 8 live sequences); 4 more arrive while they
+    decode and wait for cells: the pool grows at once, the 4 late ones start in it and get their first token before
+    any long one ends; every text is its solo text; the ledger holds the grown pool's figure."""
     solo = solo_texts(tiny_model)
 
     async def scenario() -> None:
@@ -160,7 +162,7 @@ def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_
             await daemon.complete("m", 1, "Hello")  # loaded
             model = daemon.models["m"]
             runtime = model.runtime
-            assert runtime is not None and runtime.pool_cells == INITIAL_POOL
+            assert runtime is not None and runtime.pool_cells == INITIAL
             streams = [Streamed() for _ in range(AGENTS)]
             started = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -174,7 +176,7 @@ def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_
                                                            on_token=functools.partial(on_long_token, streams[agent]),
                                                            queue=("client", agent))) for agent in range(LONG)]
             await started.wait()
-            assert runtime.pool_cells == INITIAL_POOL and len(runtime.slots.requests) == LONG
+            assert runtime.pool_cells == INITIAL and len(runtime.slots.requests) == LONG
             lates = [asyncio.ensure_future(daemon.complete("m", LATE_TOKENS, prompt(agent), on_token=streams[agent],
                                                            queue=("client", agent))) for agent in range(LONG, AGENTS)]
             results = await asyncio.gather(*longs, *lates)
@@ -189,7 +191,7 @@ def test_requests_waiting_for_cells_start_while_the_first_ones_still_decode(tmp_
                 assert [token.index for token in stream.tokens] == list(range(len(tokens)))
                 assert tuple(token.id for token in stream.tokens) == tokens
             grown = runtime.pool_cells
-            assert grown > INITIAL_POOL and daemon.adaptive.switches == 1
+            assert grown > INITIAL and daemon.adaptive.switches == 1
             assert daemon.ledger.reservations()[context_key("m")] == daemon.adaptive.context_bytes(model, grown)
             assert daemon.adaptive.draining == set()
         finally:

@@ -196,6 +196,7 @@ class AdaptiveLoop:
             thread_idle_thresholds=engine.thread_idle_thresholds,
             fixed_threads=self.fixed_threads(engine.threads),
             pinned_threads=engine.threads > 0,
+            live_slots=engine.live_slots,
         )
 
     def fixed_threads(self, configured: int) -> int:

@@ -54,6 +54,7 @@ class Model:
     waiters: list[asyncio.Future[None]] = field(default_factory=list)  # woken when a request ends or one starts
     admission: Admission = field(default_factory=Admission)  # requests waiting to start, round-robin by queue
     stepper: asyncio.Task[None] | None = None  # the loop that steps its live context while requests are in flight
+    gather_until: float = 0.0  # time.monotonic() until which requests starting together wait for one first step
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a reload swaps its runtime
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tuner: Tuner | None = None  # its load profile and the tuning of its live context (SPEC E1-E4)

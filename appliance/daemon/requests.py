@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
-from appliance.daemon import hostkv, offload, policy
+from appliance.daemon import burst, hostkv, offload, policy
 from appliance.daemon.admission import ShortOfCells
 from appliance.daemon.base import DaemonBase, finish, log
 from appliance.daemon.devices import process_bytes
@@ -71,6 +71,23 @@ def first_step(runtime: Any, cancelled: bool = False) -> None:
         log.exception("a decode step failed")
 
 
+def gathers(model: Model, runtime: Any, request: Request) -> bool:
+    """On the engine thread, as ``request`` starts: whether its first step waits for the step loop, which waits
+    until ``model.gather_until`` (:mod:`~appliance.daemon.burst`) so that requests arriving meanwhile join that
+    step. A request opens the window when it starts alone in the hot pool and its prompt is long enough
+    (:func:`~appliance.daemon.burst.gather_window`); one starting while the window is open joins it."""
+    now = time.monotonic()
+    if now < model.gather_until:
+        return True
+    if request.cold or len(runtime.slots.requests) != 1:
+        return False
+    window = burst.gather_window(runtime.slots.pace.seconds(request.evaluated))
+    if window <= 0:
+        return False
+    model.gather_until = now + window
+    return True
+
+
 def steps(runtime: Any) -> None:
     """On the engine thread, one step job: a step, and more while the runtime has requests in flight and no job of
     another engine queue waits (a request starting, another model's step, a load: it runs between two steps as
@@ -80,6 +97,13 @@ def steps(runtime: Any) -> None:
     while runtime.busy and not others_waiting():
         wakeups.flush()
         runtime.step()
+
+
+async def gathered(model: Model) -> None:
+    """Wait until the model's burst window (:func:`gathers`) is over."""
+    delay = model.gather_until - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:
@@ -347,8 +371,10 @@ class Requests(DaemonBase):
             dropped.extend(self._fit_host_kv(agents))
             self.decoding += 1
             model.decoding += 1
-            if not queued or cancel.is_set():  # nobody waits for a sequence (else the step loop steps it)
-                first_step(runtime, cancel.is_set())
+            if cancel.is_set():
+                first_step(runtime, cancelled=True)
+            elif not queued and not gathers(model, runtime, request):  # else the step loop steps it
+                first_step(runtime)
             return request
 
         model.inflight += 1
@@ -525,6 +551,8 @@ class Requests(DaemonBase):
         queued: collections.deque[Any] = collections.deque()
         try:
             while True:
+                if not queued:
+                    await gathered(model)
                 runtime = model.runtime
                 while runtime is not None and runtime.busy and len(queued) < STEPS_AHEAD:
                     queued.append(self.engine.submit(functools.partial(steps, runtime), queue=("steps", model.key)))

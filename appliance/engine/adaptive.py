@@ -20,7 +20,7 @@ without waiting for samples, and holds that size while the window turns over (:a
 that, with the usual shrink margin, may the pool shrink again.
 
 Until the window holds :data:`MIN_SAMPLES` samples the pool and plan stay as they are (a model starts with
-:data:`INITIAL_POOL` cells and plan S, or what its warm-up runs showed). ``adaptive: false`` is the fixed strategy:
+:func:`initial_pool` cells and plan S, or what its warm-up runs showed). ``adaptive: false`` is the fixed strategy:
 the configured ``n_ctx`` as one pool, the fixed plan, the fixed thread count; :meth:`Tuner.decide` then returns it.
 """
 
@@ -34,7 +34,12 @@ from appliance.engine.profile import LoadProfile, RequestSample
 POOL_GRANULARITY = 256
 """llama.cpp pads a context's cells to 256."""
 INITIAL_POOL = 512
-"""Hot pool cells of an adaptive model before its profile says anything."""
+"""The fewest hot pool cells of an adaptive model before its profile says anything."""
+TURN_CELLS = 128
+"""Cells of one short agent turn (a 64-token prompt and 64 tokens): the initial pool holds one for each live
+sequence, so that a first burst filling every sequence does not wait for a growth (measured,
+``benchmarks/concurrency.py``, 8 agents on ``live_slots`` 8: the 4 that did not fit 512 cells got their first token
+0.6-1.6 s after the other 4, the growth built beside 4 running sequences)."""
 MIN_SAMPLES = 4
 """Samples in the window before the pool or the plan follows it."""
 FIXED = "fixed"
@@ -103,6 +108,16 @@ class Settings:
     thread_idle_thresholds: tuple[int, int]
     fixed_threads: int  # engine.threads, or the engine's default when 0
     pinned_threads: bool  # engine.threads > 0: the thread count never changes
+    live_slots: int  # engine.live_slots: sequences decoded together in the live context
+
+
+def initial_pool(n_ctx: int, live_slots: int) -> int:
+    """The hot pool of an adaptive model before its profile says anything: a short turn (:data:`TURN_CELLS`) for
+    each of its ``live_slots`` sequences, at least :data:`INITIAL_POOL`, at most ``n_ctx``."""
+    if live_slots < 1:
+        raise ValueError(f"live_slots must be at least 1, got {live_slots}")
+    wanted = tuning.round_up(live_slots * TURN_CELLS, POOL_GRANULARITY)
+    return min(max(INITIAL_POOL, wanted), n_ctx)
 
 
 class Tuner:
@@ -125,7 +140,7 @@ class Tuner:
         """The tuning a model starts with (nothing profiled yet)."""
         if not self.settings.adaptive:
             return Tuning(self.n_ctx, FIXED, self.settings.fixed_threads)
-        return Tuning(min(INITIAL_POOL, self.n_ctx), tuning.PLANS[0], self.start_threads())
+        return Tuning(initial_pool(self.n_ctx, self.settings.live_slots), tuning.PLANS[0], self.start_threads())
 
     def start_threads(self) -> int:
         if self.settings.pinned_threads:

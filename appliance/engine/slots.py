@@ -46,6 +46,7 @@ from appliance.engine.interface import (
     check_prompt_size,
     tokens_to_generate,
 )
+from appliance.engine.pace import Pace
 from appliance.engine.prompts import prompt_text, tokenize_prompt
 from appliance.engine.streamtext import StreamText
 from appliance.errors import ApplianceError
@@ -82,6 +83,7 @@ class SequenceContext(Protocol):
     n_ctx: int
     n_seq_max: int
     v_transposed: bool  # its V cache is transposed (flash attention off): the layout of the states it saves and loads
+    last_batch: int  # tokens in the last step's batch
 
     def add(self, seq_id: int, prompt_tokens: list[int], sampling: Sampling, max_tokens: int, *,
             n_past: int = 0, seen: list[int] | None = None) -> None: ...
@@ -183,6 +185,7 @@ class Slots:
         self.refused_need = 0  # the cells the last request :meth:`begin` refused needed (the queue's pool demand)
         self.layout_discards = 0  # parked states dropped for being in the other V layout (:meth:`_place`)
         self.keep_buffers = True  # a restored conversation keeps its host buffer (False: an adaptive pool's do not)
+        self.pace = Pace()  # seconds per prompt token of its steps (what a prompt's first step is expected to cost)
 
     # -- reading ---------------------------------------------------------------------------------------
     @property
@@ -520,6 +523,7 @@ class Slots:
             return ended
         if hold is not None and hold():
             return ended + self._reap()
+        started = time.perf_counter()
         try:
             events = self.context.step()
         except BaseException as exc:
@@ -527,6 +531,7 @@ class Slots:
                 ended.append(self._end(seq_id, "cancelled", error=exc))
             return ended
         now = time.perf_counter()
+        self.pace.observe(now - started, self.context.last_batch)
         for event in events:
             request = self.requests.get(event.seq_id)
             if request is None:

@@ -1,0 +1,114 @@
+"""The burst gather (appliance.daemon.burst, appliance.engine.pace): a request starting alone on an idle live
+context waits a share of its prompt's expected evaluation before its first step, so that a request arriving
+meanwhile is evaluated in the same step. The policy and the pace are pure; the gather itself runs on the real
+daemon core with the real engine and a real tiny model, the pace set by the test (a tiny model's prompts are too
+quick to gather for on their own)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance.config.validate import parse_config
+from appliance.daemon import burst
+from appliance.daemon.core import Daemon
+from appliance.daemon.devices import FakeDevice
+from appliance.engine.interface import Sampling
+from appliance.engine.pace import PROMPT_BATCH, Pace
+from appliance.engine.runtime import Engine
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def test_no_wait_before_the_pace_is_measured() -> None:
+    assert burst.gather_window(None) == 0.0
+
+
+def test_the_wait_is_a_share_of_the_expected_evaluation_capped() -> None:
+    assert burst.gather_window(0.100) == pytest.approx(burst.GATHER_SHARE * 0.100)
+    assert burst.gather_window(60.0) == burst.GATHER_MAX_S
+
+
+def test_a_prompt_too_quick_to_gather_for_does_not_wait() -> None:
+    quick = 0.9 * burst.GATHER_MIN_S / burst.GATHER_SHARE
+    assert burst.gather_window(quick) == 0.0
+    assert burst.gather_window(1.1 * burst.GATHER_MIN_S / burst.GATHER_SHARE) > 0.0
+
+
+def test_the_pace_ignores_decode_steps_and_follows_prompt_steps() -> None:
+    pace = Pace()
+    assert pace.seconds(64) is None
+    pace.observe(0.020, 8)  # a decode step: the weights' read, not its tokens
+    assert pace.seconds(64) is None
+    pace.observe(0.064, 64)
+    assert pace.seconds(64) == pytest.approx(0.064)
+    pace.observe(0.640, PROMPT_BATCH * 10)  # 2 ms per token: the figure moves towards it, not onto it
+    assert 0.064 < pace.seconds(64) < 0.128
+    pace.observe(0.0, 64)  # a clock that did not move says nothing
+    assert 0.064 < pace.seconds(64) < 0.128
+
+
+class RecordingPace(Pace):
+    """A pace fixed by the test, recording the size of every timed step's batch."""
+
+    def __init__(self, seconds_per_token: float | None) -> None:
+        super().__init__()
+        self.seconds_per_token = seconds_per_token
+        self.batches: list[int] = []
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        self.batches.append(tokens)
+
+
+def make_daemon(tmp_path: Path, model: Path) -> Daemon:
+    text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(model.parent)],
+            "resync_interval_s": 0, "engine": {"warmup_runs": 0, "adaptive": False, "live_slots": 4},
+            "models": [{"name": "m", "path": str(model), "n_ctx": 1024}]}
+    return Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), Engine(2))
+
+
+PROMPTS = ("Once upon a time there was a fox", "The quick brown fox jumps over the lazy dog")
+
+
+def first_batch_of_two(tmp_path: Path, model: Path, seconds_per_token: float | None,
+                       monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[int], list[str], list[str]]:
+    """The first step's batch when a second request starts once the first has started (and its prompt tokens),
+    with the texts both got and their texts alone."""
+    monkeypatch.setattr(burst, "GATHER_MAX_S", 2.0)  # a loaded box's hops never outlast the window
+    daemon = make_daemon(tmp_path, model)
+
+    async def scenario() -> tuple[int, list[int], list[str], list[str]]:
+        try:
+            alone = [(await daemon.complete("m", 6, prompt, GREEDY)).generation.text for prompt in PROMPTS]
+            model_state = daemon.models["m"]
+            runtime = model_state.runtime
+            pace = RecordingPace(seconds_per_token)
+            runtime.slots.pace = pace
+            sizes = [await daemon.count("m", prompt) for prompt in PROMPTS]
+            first = asyncio.ensure_future(daemon.complete("m", 6, PROMPTS[0], GREEDY))
+            while model_state.decoding == 0:  # the first has started on the engine thread
+                await asyncio.sleep(0.0005)
+            second = asyncio.ensure_future(daemon.complete("m", 6, PROMPTS[1], GREEDY))
+            together = [result.generation.text for result in await asyncio.gather(first, second)]
+            return pace.batches[0], sizes, together, alone
+        finally:
+            await daemon.close()
+
+    return asyncio.run(scenario())
+
+
+def test_a_request_arriving_in_the_window_joins_the_first_step(tmp_path: Path, tiny_model: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, sizes, together, alone = first_batch_of_two(tmp_path, tiny_model, 1.0, monkeypatch)
+    assert batch == sum(sizes)  # both prompts in one step
+    assert together == alone
+
+
+def test_without_a_measured_pace_the_first_request_steps_alone(tmp_path: Path, tiny_model: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, sizes, together, alone = first_batch_of_two(tmp_path, tiny_model, None, monkeypatch)
+    assert batch == sizes[0]  # its first step came in its start's engine job, before the second arrived
+    assert together == alone

@@ -76,6 +76,7 @@ class SocketServer:
         self.buffer_bytes: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
         self._listening = False  # our socket file is bound at ``path`` (start) and not yet removed
+        self._closing = False  # close began: a connection whose handler starts now is closed at once
 
     @property
     def max_connections(self) -> int:
@@ -135,6 +136,9 @@ class SocketServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if self._closing:  # accepted just before close, its handler started after close cancelled the others
+            await close_writer(writer)
+            return
         over = self.total_connections() >= self.max_connections
         self.connections.add(task)
         self.writers[task] = writer
@@ -215,6 +219,7 @@ class SocketServer:
         log.info("socket %s no longer accepts connections (%d still open)", self.path, len(self.connections))
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for task in list(self.connections):

@@ -98,6 +98,16 @@ any text, as Hugging Face's tokenizers match added tokens)."""
 _backend_ready = False
 
 
+EXTRA_BUFFERS = False
+"""Whether llama.cpp may load weights into its CPU "extra" buffer types (repacked layouts such as ``CPU_REPACK``,
+Intel AMX): llama.cpp's default is yes. Measured on a 2-core Xeon VM whose CPU reports AMX (12x768 model, 2
+threads, 8 sequences, interleaved runs): with them a Q4_0 or Q8_0 model crashes llama.cpp in its first batched
+decode (SIGSEGV; ``llama-batched-bench`` of the same build too, and the model check's trial load, which then
+refused every quantized file), and an f16 one ran slower (8 x 64-token prefill ~1990 against ~1750 ms, a decode
+step of 8 ~128 against ~95 ms) and held a second copy of its weights (6.1 MiB more resident for the 4x256 demo
+model). Off: every weight stays in the plain CPU buffer, the one the ledger's estimate counts."""
+
+
 def _init_backend() -> None:
     """``llama_backend_init`` once per process, and llama.cpp's own log chatter off unless asked for (as
     ``llama_cpp.Llama(verbose=False)`` does)."""
@@ -122,6 +132,7 @@ class ModelWeights:
             raise ApplianceError("MODEL_LOAD_FAILED", f"no model file {self.path.name}", {"path": str(self.path)})
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = EXTRA_BUFFERS
         model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), params)
         if not model:
             raise ApplianceError("MODEL_LOAD_FAILED", f"cannot load {self.path.name}", {"path": str(self.path)})

@@ -270,20 +270,53 @@ def _sanitized(text: str) -> str:
 
 # -- the child ---------------------------------------------------------------------------------------
 def trial_load(path: Path, *, n_ctx: int, n_gpu_layers: int) -> dict[str, Any]:
-    """Load ``path`` and evaluate a couple of tokens (in the child); returns the verdict to print."""
+    """Load ``path`` as the daemon does (:class:`~appliance.engine.batched.ModelWeights`' parameters) and evaluate a
+    couple of tokens (in the child); returns the verdict to print. llama.cpp's own log goes to stderr (the parent's
+    hint)."""
     import llama_cpp  # the child's only use of llama.cpp; the parent never needs it here
 
+    from appliance.engine.batched import EXTRA_BUFFERS
+
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_batch=min(512, n_ctx),
-                          n_threads=TRIAL_THREADS, seed=0, verbose=True)
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = EXTRA_BUFFERS
+    model = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), params)
+    if not model:
+        return {"ok": False, "reason": "llama.cpp could not load the model"}
     try:
-        n_vocab = llm.n_vocab()
-        if n_vocab < 1 or llm.n_ctx() < 1:
-            return {"ok": False, "reason": f"n_vocab {n_vocab}, n_ctx {llm.n_ctx()}"}
-        tokens = llm.tokenize(TRIAL_PROMPT, add_bos=True, special=False)[:TRIAL_TOKENS] or [0]
-        llm.eval(tokens)
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
+        if n_vocab < 1:
+            return {"ok": False, "reason": f"n_vocab {n_vocab}"}
+        return _trial_decode(llama_cpp, model, n_ctx, n_vocab, start)
     finally:
-        llm.close()
+        llama_cpp.llama_model_free(model)
+
+
+def _trial_decode(llama_cpp: Any, model: Any, n_ctx: int, n_vocab: int, start: float) -> dict[str, Any]:
+    """A context of ``n_ctx`` cells on ``model`` and one decode of the trial prompt's first tokens."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = min(512, n_ctx)
+    params.n_threads = TRIAL_THREADS
+    params.n_threads_batch = TRIAL_THREADS
+    context = llama_cpp.llama_init_from_model(model, params)
+    if not context:
+        return {"ok": False, "reason": "llama.cpp could not build a context"}
+    try:
+        if int(llama_cpp.llama_n_ctx(context)) < 1:
+            return {"ok": False, "reason": f"n_ctx {llama_cpp.llama_n_ctx(context)}"}
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        room = (llama_cpp.llama_token * 16)()
+        count = int(llama_cpp.llama_tokenize(vocab, TRIAL_PROMPT, len(TRIAL_PROMPT), room, len(room), True, False))
+        tokens = list(room[:max(0, min(count, TRIAL_TOKENS))]) or [0]
+        batch = (llama_cpp.llama_token * len(tokens))(*tokens)
+        code = int(llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(batch, len(tokens))))
+        if code != 0:
+            return {"ok": False, "reason": f"llama_decode returned {code}"}
+    finally:
+        llama_cpp.llama_free(context)
     return {"ok": True, "n_vocab": n_vocab, "tokens": len(tokens), "elapsed_s": time.perf_counter() - start}
 
 

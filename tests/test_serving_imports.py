@@ -45,6 +45,7 @@ NOT_SERVING = {
     "markupsafe": "the admin page's templates",
     "appliance.http.responses": "the Responses API (imported at its first request)",
     "appliance.http.anthropic": "the Anthropic Messages API (imported at its first request)",
+    "appliance.http.anthropic_schema": "the Anthropic Messages API's bodies and error envelope",
     "appliance.http.embeddings": "`POST /v1/embeddings` (imported at its first request)",
     "appliance.http.metrics": "`GET /metrics` (imported at the first scrape; requests are counted without it)",
     "prometheus_client": "writing `/metrics` (imported at the first scrape)",

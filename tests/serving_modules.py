@@ -1,13 +1,17 @@
-"""Run ``appliance run`` in this process, load a model through its socket, then write what the process imported.
+"""Run ``appliance run`` in this process, load a model through its socket, serve a chat over HTTP, then write what the
+process imported.
 
 ``python tests/serving_modules.py CONFIG MODEL OUT``: the appliance's own ``main(["run", "--config", CONFIG])`` runs
 in the main thread, as the ``appliance`` command runs it; a probe thread waits for the socket the config names, sends
-``REGISTER probe MODEL`` and ``DECODE probe 2 Hello`` (so the model is loaded and has decoded), writes
-``{"replies": [...], "modules": [...]}`` (``sorted(sys.modules)``) as JSON to OUT and stops the process with
-SIGTERM. It imports nothing a serving process would not (the standard library's socket, json, threading)."""
+``REGISTER probe MODEL`` and ``DECODE probe 2 Hello`` (so the model is loaded and has decoded), then asks the HTTP
+address the config names for ``GET /v1/health`` and a ``POST /v1/chat/completions`` of 2 tokens, writes
+``{"replies": [...], "http": [[status, body], ...], "modules": [...]}`` (``sorted(sys.modules)``) as JSON to OUT and
+stops the process with SIGTERM. It imports nothing a serving process would not (the standard library's socket, json,
+threading, and http.client, which starlette imports)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -59,12 +63,28 @@ def connect(path: Path) -> socket.socket:
         return conn
 
 
-def probe(socket_path: Path, model: str, out: Path) -> None:
+def http_exchanges(port: int, model: str) -> list[tuple[int, str]]:
+    """``GET /v1/health`` and a chat completion of 2 tokens: each answer's status and body."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    answers = []
+    for method, path, body in (("GET", "/v1/health", None), ("POST", "/v1/chat/completions", json.dumps(chat))):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=READY_TIMEOUT_S)
+        try:
+            conn.request(method, path, body, {"content-type": "application/json"})
+            response = conn.getresponse()
+            answers.append((response.status, response.read().decode()))
+        finally:
+            conn.close()
+    return answers
+
+
+def probe(socket_path: Path, http_port: int, model: str, out: Path) -> None:
     try:
         with connect(socket_path) as conn:
             conn.sendall(f"REGISTER probe {model}\nDECODE probe 2 Hello\n".encode())
             replies = read_replies(conn, 2)
-        out.write_text(json.dumps({"replies": replies, "modules": sorted(sys.modules)}))
+        answers = http_exchanges(http_port, model)
+        out.write_text(json.dumps({"replies": replies, "http": answers, "modules": sorted(sys.modules)}))
     except Exception as exc:  # the test reads the reason from OUT
         out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
     os.kill(os.getpid(), signal.SIGTERM)
@@ -72,8 +92,9 @@ def probe(socket_path: Path, model: str, out: Path) -> None:
 
 def main() -> int:
     config, model, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    socket_path = Path(yaml.safe_load(Path(config).read_text())["socket"]["path"])
-    threading.Thread(target=probe, args=(socket_path, model, out), daemon=True).start()
+    settings = yaml.safe_load(Path(config).read_text())
+    socket_path = Path(settings["socket"]["path"])
+    threading.Thread(target=probe, args=(socket_path, settings["http"]["port"], model, out), daemon=True).start()
     from appliance.cli import main as appliance_main
 
     return appliance_main(["run", "--config", config])

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from harness import running
 
-from appliance.http.admin.login import LoginThrottle
 from appliance.http.app import BodyLimitedConnection
+from appliance.http.loginthrottle import LoginThrottle
 from appliance.http.security import Authority, HostRule, is_loopback, parse_authority
 
 TOKEN = "s3cret-token-for-hosts"

@@ -2,8 +2,9 @@
 writes or a GPU use are imported where they are used, so that an idle ``appliance run`` stays small.
 
 The check runs the appliance's real ``main(["run", ...])`` on a real tiny model in a child process
-(``tests/serving_modules.py``), loads the model and decodes through the socket, then reads the child's
-``sys.modules``. The resident memory this saves is a benchmark figure (``benchmarks/idle_memory.py``)."""
+(``tests/serving_modules.py``), loads the model and decodes through the socket, serves a chat completion over HTTP,
+then reads the child's ``sys.modules``. The resident memory this saves is a benchmark figure
+(``benchmarks/idle_memory.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import gguf
 import pytest
 from harness import config_text
 
+from appliance.benchmark.servers import free_port
 from appliance.daemon import devices
 from appliance.engine import gguf_meta
 
@@ -39,6 +41,14 @@ NOT_SERVING = {
     "jinja2": "a model's chat template (the demo model has none) and the admin page's first view",
     "difflib": "the hint of an unknown key in a config that has one",
     "numpy": "a draw with a grammar or log-probabilities, and embeddings (a plain one samples in C)",
+    "appliance.http.admin": "the admin page (its routes are imported at its first request)",
+    "markupsafe": "the admin page's templates",
+    "appliance.http.responses": "the Responses API (imported at its first request)",
+    "appliance.http.anthropic": "the Anthropic Messages API (imported at its first request)",
+    "appliance.http.anthropic_schema": "the Anthropic Messages API's bodies and error envelope",
+    "appliance.http.embeddings": "`POST /v1/embeddings` (imported at its first request)",
+    "appliance.http.metrics": "`GET /metrics` (imported at the first scrape; requests are counted without it)",
+    "prometheus_client": "writing `/metrics` (imported at the first scrape)",
 }
 """Modules (and their submodules) a serving process must not have imported, and who uses them instead."""
 
@@ -56,7 +66,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[
     shutil.copy(tiny_model, models / "tiny.gguf")
     config = state / "appliance.yaml"
     config.write_text(config_text({"tiny": {"path": str(models / "tiny.gguf"), "n_ctx": 256}}, state=state,
-                                  model_dirs=[models], device="auto"))
+                                  model_dirs=[models], device="auto", http={"port": free_port()}))
     out = state / "modules.json"
     done = subprocess.run([sys.executable, str(PROBE), str(config), "tiny", str(out)], capture_output=True,
                           text=True, timeout=PROBE_TIMEOUT_S)
@@ -71,9 +81,16 @@ def test_the_probe_saw_a_serving_process_with_its_model_loaded(serving: dict[str
     assert isinstance(replies, list) and len(replies) == 2
     assert all(not reply.startswith("ERR") for reply in replies), replies
     assert "generated_tokens=2" in replies[1]
+    answers = serving["http"]
+    assert isinstance(answers, list) and len(answers) == 2
+    (health_status, _), (chat_status, chat_body) = answers
+    assert health_status == 200
+    assert chat_status == 200, chat_body
+    assert json.loads(chat_body)["usage"]["completion_tokens"] == 2
     modules = serving["modules"]
     assert isinstance(modules, list)
-    assert {"llama_cpp.llama_cpp", "appliance.app", "appliance.http.app", "appliance.http.admin"} <= set(modules)
+    assert {"llama_cpp.llama_cpp", "appliance.app", "appliance.http.app", "appliance.http.openai",
+            "appliance.http.requestcounts"} <= set(modules)
 
 
 @pytest.mark.parametrize("name", sorted(NOT_SERVING))

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -28,13 +28,15 @@ from uvicorn.server import ServerState
 from appliance.daemon import accesslog
 from appliance.daemon.durable import RESTORED_FROM
 from appliance.errors import ApplianceError, StartupError
-from appliance.http import cors, refusals
+from appliance.http import cors, refusals, requestcounts
 from appliance.http.affinity import RUN_STATE, AffinityHeaders, appliance_instance
 from appliance.http.affinity import response_headers as affinity_headers
 from appliance.http.assets import web_dir
 from appliance.http.chunkwrite import SCOPE_KEY, ChunkWriter
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
 from appliance.http.headwrite import HeldHeadTransport
+from appliance.http.lazyroutes import LazyRoutes
+from appliance.http.loginthrottle import LoginThrottle
 from appliance.http.openai_schema import MAX_BODY_BYTES
 from appliance.http.security import Guard, RequestHead, cors_rule, shown
 from appliance.protocol import paging
@@ -160,22 +162,55 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(health_document(request.app.state.appliance))
 
 
+def admin_routes() -> list[BaseRoute]:
+    from appliance.http import admin
+
+    return admin.routes
+
+
+def anthropic_routes() -> list[BaseRoute]:
+    from appliance.http import anthropic
+
+    return anthropic.routes
+
+
+def embedding_routes() -> list[BaseRoute]:
+    from appliance.http import embeddings
+
+    return embeddings.routes
+
+
+def response_routes() -> list[BaseRoute]:
+    from appliance.http import responses
+
+    return responses.routes
+
+
+def metrics_routes() -> list[BaseRoute]:
+    from appliance.http import metrics
+
+    return metrics.routes
+
+
 def create_app(appliance: Appliance) -> Starlette:
     """The HTTP app: health, the OpenAI-compatible API, metrics, the admin page and its static files, behind the
-    :class:`~appliance.http.security.Guard` (host allow-list, API token, cross-origin and CSRF checks)."""
-    from appliance.http import admin, anthropic, metrics, openai
-    from appliance.http.admin.login import LoginThrottle
-    from appliance.http.embeddings import routes as embedding_routes
-    from appliance.http.responses import routes as response_routes
+    :class:`~appliance.http.security.Guard` (host allow-list, API token, cross-origin and CSRF checks). The route
+    families a request may never use are imported at their first request (:class:`LazyRoutes`), in their place."""
+    from appliance.http import openai
 
     routes = [Route("/v1/health", health), Route("/health", health),  # /health: the alias probes expect
-              *openai.routes, *anthropic.routes, *embedding_routes, *response_routes,
-              *metrics.routes, *admin.routes, Mount("/static", StaticFiles(directory=web_dir()), name="static")]
+              *openai.routes,
+              LazyRoutes(anthropic_routes, paths=["/v1/messages"], prefixes=["/v1/messages/"]),
+              LazyRoutes(embedding_routes, paths=["/v1/embeddings"]),
+              LazyRoutes(response_routes, paths=["/v1/responses"], prefixes=["/v1/responses/"]),
+              LazyRoutes(metrics_routes, paths=["/metrics"]),
+              LazyRoutes(admin_routes, paths=["/", "/admin"], prefixes=["/admin/"]),
+              Mount("/static", StaticFiles(directory=web_dir()), name="static")]
     middleware = [Middleware(Guard, appliance=appliance), Middleware(AffinityHeaders, appliance=appliance)]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     app.state.appliance = appliance
     app.state.login_throttle = LoginThrottle(time.monotonic)  # wrong admin logins, for this app's lifetime
-    metrics.attach(appliance)  # request metrics from the start, not from the first scrape
+    requestcounts.attach(appliance)  # request metrics from the start, not from the first scrape
     return app
 
 

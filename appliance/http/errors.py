@@ -9,7 +9,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from appliance.errors import ApplianceError
-from appliance.http import anthropic_schema
 
 OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -48,5 +47,7 @@ def error_response(error: ApplianceError, request: Request | None = None) -> JSO
         headers["Retry-After"] = str(RETRY_AFTER_S)
     body = error_body(error)
     if request is not None and request.url.path.startswith(ANTHROPIC_PATHS):
+        from appliance.http import anthropic_schema  # imported with the Anthropic routes, not before
+
         body = anthropic_schema.error_document(error)
     return JSONResponse(body, status_code=error.http_status, headers=headers)

@@ -2,13 +2,15 @@
 asks for it), written by ``prometheus_client``. The metrics, their labels and the inference-gateway flags are in
 docs/metrics.md.
 
-Each appliance has a :class:`ApplianceMetrics` of its own (its own ``CollectorRegistry``, not the process-global
-one, so several appliances in one process do not clash), kept per daemon so that an HTTP rebind keeps it:
+This module (and ``prometheus_client``) is imported at the first scrape. Each appliance has a
+``CollectorRegistry`` of its own (:func:`registry_of`; not the process-global one, so several appliances in one
+process do not clash), kept per daemon so that an HTTP rebind keeps it:
 
 * :class:`DaemonCollector` reads the daemon's figures when scraped (``snapshot()``, ``counters``, the ledger, host
   KV, the engine's queue, the reload record): gauges and counters that cost nothing between scrapes;
-* the per-request counters and the latency and time-to-first-token histograms are fed by an observer of
-  ``daemon.requests`` (one :class:`~appliance.daemon.requestlog.RequestRecord` per generation, every surface).
+* :class:`RequestCollector` writes the per-request counters and the latency and time-to-first-token histograms,
+  counted from the daemon's start by :mod:`appliance.http.requestcounts` (an observer of ``daemon.requests``: one
+  :class:`~appliance.daemon.requestlog.RequestRecord` per generation, every surface).
 
 Also the gauges of the Kubernetes Gateway API Inference Extension's model-server protocol (requests waiting,
 requests running, KV-cache utilization as a 0-1 fraction), so that its endpoint picker can route to appliances:
@@ -18,16 +20,18 @@ appliance's own names, the box's totals.
 
 from __future__ import annotations
 
-import logging
+import itertools
+import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -35,22 +39,16 @@ from starlette.routing import BaseRoute, Route
 from appliance.daemon.core import Daemon
 from appliance.daemon.durable import RESTORED_FROM
 from appliance.daemon.model import Model
-from appliance.daemon.requestlog import RequestRecord
+from appliance.http import requestcounts
+from appliance.http.requestcounts import CountedMetric, RequestCounts
 
 if TYPE_CHECKING:
     from appliance.app import Appliance
-
-log = logging.getLogger(__name__)
 
 MODEL_STATES = ("available", "loading", "loaded", "unloading", "missing")
 KV_PLACES = ("device", "host", "empty")
 RELOAD_RESULTS = ("applied", "unchanged", "invalid", "failed")
 PROTOCOLS = ("magn", "lines")
-
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-"""Request latency buckets: a few tokens of a tiny model on a CPU to a long generation on a slow box."""
-TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-"""Time-to-first-token buckets (a prompt's prefill, after any wait for the engine)."""
 
 PROFILE_FIGURES = {
     "input_tokens": ("appliance_profile_input_tokens", "Input tokens of a model's sampled requests, by percentile."),
@@ -373,80 +371,68 @@ class DaemonCollector(Collector):
         yield reloads
 
 
-class ApplianceMetrics:
-    """One appliance's registry: the :class:`DaemonCollector` and the request metrics its observer feeds."""
-
-    def __init__(self, appliance: Appliance) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(DaemonCollector(appliance))
-        self.children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}  # series(): the labelled series
-        labels = ["model", "surface"]
-        self.requests = Counter("appliance_requests", "Generation requests by model, surface and outcome "
-                                "(ok, error, cancelled).", [*labels, "outcome"], registry=self.registry)
-        self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens evaluated (prefill).", labels,
-                                     registry=self.registry)
-        self.generation_tokens = Counter("appliance_generation_tokens", "Tokens generated.", labels,
-                                         registry=self.registry)
-        self.latency = Histogram("appliance_request_duration_seconds", "Completed generation requests' duration, "
-                                 "as their surface saw it (waiting included).", labels, buckets=LATENCY_BUCKETS_S,
-                                 registry=self.registry)
-        self.by_plan = Counter("appliance_requests_by_plan", "Generation requests by model and the plan their "
-                               "context ran with (S, M, L, or fixed).", ["model", "plan"], registry=self.registry)
-        self.ttft = Histogram("appliance_time_to_first_token_seconds", "Time from a generation's start on the "
-                              "engine to its first token (its prefill).", labels, buckets=TTFT_BUCKETS_S,
-                              registry=self.registry)
-
-    def observe(self, record: RequestRecord) -> None:
-        """One finished request (called by ``daemon.requests``; never raises into the request's path). Generations
-        only: an embeddings request is in the request log (and the access log), not in these figures."""
-        if record.task != "generate":
-            return
-        try:
-            labels = (record.model, record.surface)
-            self.series(self.requests, *labels, record.outcome).inc()
-            self.series(self.prompt_tokens, *labels).inc(record.prompt_tokens)
-            self.series(self.generation_tokens, *labels).inc(record.generated_tokens)
-            if record.outcome == "ok":
-                self.series(self.latency, *labels).observe(record.elapsed_s)
-            if record.ttft_s is not None:
-                self.series(self.ttft, *labels).observe(record.ttft_s)
-            if record.plan is not None:  # the request reached a context
-                self.series(self.by_plan, record.model, record.plan).inc()
-        except Exception:
-            log.exception("metrics: a request record could not be counted")
-
-    def series(self, metric: Counter | Histogram, *values: str) -> Any:
-        """``metric.labels(*values)``: looked up in the registry once per metric and label values, then kept (every
-        request counts in a few series; prometheus_client's lookup takes a lock and converts every value)."""
-        key = (metric, values)
-        found = self.children.get(key)
-        if found is None:
-            found = self.children[key] = metric.labels(*values)
-        return found
+def created_series() -> bool:
+    """Whether counters and histograms have their ``_created`` sample: unless ``PROMETHEUS_DISABLE_CREATED_SERIES``
+    says not, as ``prometheus_client`` decides it for its own."""
+    return os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
 
-_BY_DAEMON: weakref.WeakKeyDictionary[Daemon, ApplianceMetrics] = weakref.WeakKeyDictionary()
+def counted_family(metric: CountedMetric, created: bool) -> Metric:
+    """``metric``'s family, its samples as ``prometheus_client``'s ``Counter`` or ``Histogram`` with the same
+    series would write them."""
+    spec = metric.spec
+    names = spec.labels
+    if spec.buckets is None:
+        counter = CounterMetricFamily(spec.name, spec.documentation, labels=names)
+        for values, series in metric.series.items():
+            counter.add_metric(values, series.value, created=series.created if created else None)
+        return counter
+    histogram = HistogramMetricFamily(spec.name, spec.documentation, labels=names)
+    for values, series in metric.series.items():
+        cumulative = itertools.accumulate(float(count) for count in series.counts)
+        buckets = [(floatToGoString(bound), total) for bound, total in zip(spec.bounds, cumulative, strict=True)]
+        histogram.add_metric(values, buckets, series.value)
+        if created:
+            histogram.add_sample(spec.name + "_created", dict(zip(names, values, strict=True)), series.created)
+    return histogram
 
 
-def attach(appliance: Appliance) -> ApplianceMetrics | None:
-    """The metrics of ``appliance``'s daemon, made (and its request observer added) on the first call; None
-    before the daemon exists."""
+class RequestCollector(Collector):
+    """The per-request counters and histograms (:mod:`appliance.http.requestcounts`), read at scrape time."""
+
+    def __init__(self, counts: RequestCounts) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        created = created_series()
+        for metric in self.counts.metrics:
+            yield counted_family(metric, created)
+
+
+_BY_DAEMON: weakref.WeakKeyDictionary[Daemon, CollectorRegistry] = weakref.WeakKeyDictionary()
+
+
+def registry_of(appliance: Appliance) -> CollectorRegistry | None:
+    """The registry of ``appliance``'s daemon (the :class:`DaemonCollector`, then the :class:`RequestCollector`),
+    made on the first scrape; None before the daemon exists."""
     daemon = appliance.daemon
-    if daemon is None:
+    counts = requestcounts.attach(appliance)
+    if daemon is None or counts is None:
         return None
-    metrics = _BY_DAEMON.get(daemon)
-    if metrics is None:
-        metrics = _BY_DAEMON[daemon] = ApplianceMetrics(appliance)
-        daemon.requests.observers.append(metrics.observe)
-    return metrics
+    registry = _BY_DAEMON.get(daemon)
+    if registry is None:
+        registry = _BY_DAEMON[daemon] = CollectorRegistry()
+        registry.register(DaemonCollector(appliance))
+        registry.register(RequestCollector(counts))
+    return registry
 
 
 async def metrics_page(request: Request) -> Response:
-    metrics = attach(request.app.state.appliance)
-    if metrics is None:
+    registry = registry_of(request.app.state.appliance)
+    if registry is None:
         return Response("", media_type="text/plain")
     encode, content_type = choose_encoder(request.headers.get("accept", ""))
-    return Response(encode(metrics.registry), headers={"Content-Type": content_type})
+    return Response(encode(registry), headers={"Content-Type": content_type})
 
 
 routes: list[BaseRoute] = [Route("/metrics", metrics_page, methods=["GET"])]

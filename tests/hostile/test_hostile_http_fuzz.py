@@ -29,9 +29,10 @@ from typing import Any
 import httpx
 from harness import running
 from hostile_checks import HUNG_S
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from appliance.errors import TABLE
+from appliance.http.lazyroutes import LazyRoutes
 
 SEED = 20250611
 RAW_PROBES = 160
@@ -459,10 +460,18 @@ OPEN_ROUTES = frozenset({("GET", "/admin/login")})
 """Reachable without the token: the login form."""
 
 
+def app_routes(app: Any) -> list[BaseRoute]:
+    """The HTTP app's routes, those of a family imported at its first request (:class:`LazyRoutes`) in its place."""
+    found: list[BaseRoute] = []
+    for route in app.routes:
+        found += route.routes if isinstance(route, LazyRoutes) else [route]
+    return found
+
+
 def matrix_routes(app: Any) -> list[tuple[str, str]]:
     """(method, path) of every route of the HTTP app (HEAD aside), path parameters filled in, and EXTRA_ROUTES."""
     found = []
-    for route in app.routes:
+    for route in app_routes(app):
         if isinstance(route, Route):
             path = route.path_format.format(**PATH_PARAMS)
             found += [(method, path) for method in sorted((route.methods or set()) - {"HEAD"})]

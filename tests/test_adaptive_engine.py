@@ -222,13 +222,37 @@ def test_warm_up_runs_seed_the_profile_off_the_request_path(tmp_path: Path, wide
     asyncio.run(scenario())
 
 
-def test_warm_up_runs_that_do_not_fit_a_small_context_are_skipped(tmp_path: Path, tiny_model: Path) -> None:
-    """At n_ctx 128 the longer warm-up prompts (64 words) cannot fit: those runs are skipped, the others seed the
-    profile, and no task ends with an exception nobody retrieves (it used to: CONTEXT_OVERFLOW)."""
+def test_warm_up_runs_are_short_turns_that_keep_plan_s(tmp_path: Path, tiny_model: Path) -> None:
+    """The warm-up prompts are sized in tokens under the first plan boundary, whatever the vocabulary makes of a
+    word (the tiny model's about 4 tokens a ``warmN`` word: 64 words were 257 tokens, and the seeded profile rebuilt
+    the context with plan M before any client came)."""
     async def scenario() -> None:
         text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tiny_model.parent)],
                 "engine": {"warmup_runs": 4, "live_slots": 1},
-                "models": [{"name": "m", "path": str(tiny_model), "n_ctx": 128}]}
+                "models": [{"name": "m", "path": str(tiny_model), "n_ctx": 2048}]}
+        daemon = Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), Engine(1))
+        try:
+            await daemon.register("a", "m")
+            await asyncio.gather(*daemon.adaptive.tasks)
+            model = daemon.models["m"]
+            if model.retuning is not None:
+                await model.retuning
+            inputs = [sample.input_tokens for sample in model.tuner.profile.window]
+            assert len(inputs) == 4 and max(inputs) < 128 and len(set(inputs)) == 4, inputs
+            assert model.runtime.tuning.plan == "S"
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())
+
+
+def test_warm_up_runs_that_do_not_fit_a_small_context_are_skipped(tmp_path: Path, tiny_model: Path) -> None:
+    """At n_ctx 64 the longer warm-up prompts (64 and 96 tokens) cannot fit: those runs are skipped, the others seed
+    the profile, and no task ends with an exception nobody retrieves (it used to: CONTEXT_OVERFLOW)."""
+    async def scenario() -> None:
+        text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(tiny_model.parent)],
+                "engine": {"warmup_runs": 4, "live_slots": 1},
+                "models": [{"name": "m", "path": str(tiny_model), "n_ctx": 64}]}
         daemon = Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), Engine(1))
         try:
             await daemon.register("a", "m")

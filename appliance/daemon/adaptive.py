@@ -64,8 +64,12 @@ CPU_INTERVAL_S = 1.0
 SWITCH_POLL_S = 0.02
 """How often a prepared context looks whether its model's requests in flight have ended."""
 WARMUP_TOKENS = 8
-WARMUP_WORDS = (8, 16, 32, 64)
-"""Prompt lengths (words) the warm-up runs cycle through: short agent turns."""
+WARMUP_SHARES = (0.125, 0.25, 0.5, 0.75)
+"""Prompt lengths the warm-up runs cycle through, in tokens, as shares of the first plan boundary
+(``engine.plan_boundaries``; 16, 32, 64 and 96 tokens at the default 128): short agent turns, every one within plan
+S, the plan a model starts with, so synthetic prompts never pick a larger plan. (They were 8 to 64 words: 129 tokens
+at a real vocabulary's two a word, 257 with the demo model's, and their P90 rebuilt every model's first context
+with plan M, twice plan S's compute buffer.)"""
 
 
 class Owner(Protocol):
@@ -132,9 +136,22 @@ def log_failure(job: asyncio.Future[Any]) -> None:
         log.error("adaptive engine: an engine job failed", exc_info=job.exception())
 
 
-def warmup_prompt(index: int) -> str:
-    words = WARMUP_WORDS[index % len(WARMUP_WORDS)]
+def warmup_tokens(index: int, boundary: int) -> int:
+    """The prompt tokens (BOS included) of warm-up run ``index`` under a first plan boundary of ``boundary``."""
+    return max(2, int(boundary * WARMUP_SHARES[index % len(WARMUP_SHARES)]))
+
+
+def warmup_prompt(runtime: Any, tokens: int) -> str:
+    """``warmN`` words, as many as fit in ``tokens`` prompt tokens (BOS included) on ``runtime``'s vocabulary, at
+    least one (engine thread: it tokenizes)."""
+    per_word = max(1, len(runtime.tokenize(" warm0", bos=False)))
+    words = max(1, (tokens - 1) // per_word)
     return " ".join(f"warm{n % 10}" for n in range(words))
+
+
+def warm_up_run(runtime: Any, tokens: int) -> Any:
+    """One warm-up generation of a ``tokens``-token prompt (engine thread): :meth:`warm_up`'s request or None."""
+    return runtime.warm_up(warmup_prompt(runtime, tokens), WARMUP_TOKENS, GREEDY)
 
 
 def fitted(daemon: Any, move: Callable[..., list[Conversation] | None], *args: Any,
@@ -621,8 +638,8 @@ class AdaptiveLoop:
                 if runtime is None or self.daemon.closing:
                     break
                 try:
-                    request = await self.daemon.engine.call(runtime.warm_up, warmup_prompt(index), WARMUP_TOKENS,
-                                                            GREEDY, queue=("warmup", model.key))
+                    tokens = warmup_tokens(index, self.daemon.config.engine.plan_boundaries[0])
+                    request = await self.daemon.engine.call(warm_up_run, runtime, tokens, queue=("warmup", model.key))
                 except ApplianceError as exc:
                     if exc.code != "CONTEXT_OVERFLOW":
                         raise

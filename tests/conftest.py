@@ -107,3 +107,23 @@ def chat_model(vendored: Path, tmp_path_factory: pytest.TempPathFactory) -> Chat
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_loads_like_the_engine() -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` (the reference several tests compare the engine with) loads its weights with the
+    engine's choice of llama.cpp's CPU extra buffer types (``appliance.engine.batched.EXTRA_BUFFERS``): on a CPU
+    with AMX they change the numerics, and the two would part on a near tie."""
+    from appliance.engine.batched import EXTRA_BUFFERS
+    from appliance.engine.bindings import llama_cpp
+
+    default_params = llama_cpp.llama_model_default_params
+
+    def engine_params() -> Any:
+        params = default_params()
+        params.use_extra_bufts = EXTRA_BUFFERS
+        return params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_cpp, "llama_model_default_params", engine_params)
+        yield

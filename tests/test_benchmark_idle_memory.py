@@ -22,7 +22,8 @@ def check_result(result: dict[str, Any], printed: str) -> None:
         assert figures["RssAnon"] + figures["RssFile"] <= figures["VmRSS"] + 1  # RssShmem is the rest
     # the loaded model's weights are mapped: 7 MiB of f16 for 4 layers x 256 plus the 32k-token embeddings
     assert appliance["loaded"]["RssFile"] > appliance["started"]["RssFile"] + 5
-    assert 0 < result["mib"]["python_floor"]["loaded"]["VmRSS"] < appliance["started"]["VmRSS"]
+    # the floor imports numpy with llama_cpp, which a serving appliance no longer does: no order between the two
+    assert result["mib"]["python_floor"]["loaded"]["VmRSS"] > 0
     assert result["meets_target"] == (appliance["loaded"]["VmRSS"] <= result["target_mib"])
     headlines = [line for line in printed.splitlines() if line.startswith("HEADLINE:")]
     assert headlines == [result["headline"]]

@@ -94,6 +94,19 @@ _MAX_LENGTH = 0xFFFFFFFF  # uint32
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_PIECE = 1 << 18
+"""Long non-ASCII text is searched for surrogates this many characters at a time (about 2 ms each on a slow core),
+so a thread checking a big prompt off the event loop holds the GIL no longer than that at a time."""
+
+
+def is_valid_unicode(text: str) -> bool:
+    """True when ``text`` holds no lone surrogate, so that it encodes to UTF-8. ASCII text is answered at once."""
+    if text.isascii():
+        return True
+    for start in range(0, len(text), _SURROGATE_PIECE):
+        if _SURROGATE.search(text, start, start + _SURROGATE_PIECE):
+            return False
+    return True
 
 
 class ProtocolError(Exception):
@@ -160,7 +173,7 @@ def _is_strict_json(value: Any, depth: int) -> bool:
     :func:`_explain_json` then judges (a subclass may pass)."""
     kind = type(value)
     if kind is str:
-        return value.isascii() or _SURROGATE.search(value) is None
+        return is_valid_unicode(value)
     if kind is int:
         return _INT_MIN <= value <= _INT_MAX
     if kind is float:
@@ -171,7 +184,7 @@ def _is_strict_json(value: Any, depth: int) -> bool:
         if depth > MAX_JSON_DEPTH:
             return False
         for key, item in value.items():
-            if type(key) is not str or not (key.isascii() or _SURROGATE.search(key) is None):
+            if type(key) is not str or not is_valid_unicode(key):
                 return False
             if not _is_strict_json(item, depth + 1):
                 return False
@@ -188,7 +201,7 @@ def _explain_json(value: Any, path: str, depth: int) -> None:
     if value is None or isinstance(value, bool):
         return
     if isinstance(value, str):
-        if not value.isascii() and _SURROGATE.search(value):
+        if not is_valid_unicode(value):
             raise _bad_json(path, "string is not valid Unicode")
         return
     if isinstance(value, int):
@@ -428,17 +441,18 @@ class FrameParser:
         )
 
 
-def count_json_items(text: str) -> int:
+def count_json_items(text: str, marks: int | None = None) -> int:
     """How many ``[``, ``{`` and ``,`` JSON ``text`` holds outside its strings, counted at C speed, as far as
     :data:`MAX_JSON_ITEMS` needs: within it, those inside strings may be counted too; past it, the count may stop
     at a number known to be past it. So the answer is past the limit exactly when the structure is.
 
     For valid JSON this bounds the values ``json.loads`` would build (each container with k values has k - 1
     commas), and for invalid JSON the values it builds before it fails, so it may be called on any text.
+    ``marks``: those characters counted already, strings included (:func:`_b64decode` counts them piece by piece).
     """
     if len(text) <= MAX_JSON_ITEMS:
         return len(text)
-    count = text.count("[") + text.count("{") + text.count(",")
+    count = _marks(text) if marks is None else marks
     if count <= MAX_JSON_ITEMS:
         return count  # brackets and commas inside strings counted too: still within the limit
     plain = text
@@ -461,23 +475,37 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
-_BASE64_CHUNK = 1 << 20
-"""Large payloads are base64-decoded in pieces of this many characters (a multiple of 4): a thread that parses a
-big frame off the event loop then lets the loop run between pieces."""
+_BASE64_CHUNK = 1 << 18
+"""Large payloads are base64-decoded in pieces of this many characters (a multiple of 4), about 1.5 ms each on a
+slow core: a thread that parses a big frame off the event loop holds the GIL no longer than that at a time, so
+the loop (which needs the GIL back after every system call) is never kept waiting long."""
 
 
-def _b64decode(body: bytes | bytearray) -> bytes:
-    """Strict base64 (``b64decode(validate=True)``), decoded :data:`_BASE64_CHUNK` characters at a time."""
+def _marks(text: str | bytes) -> int:
+    """The ``[``, ``{`` and ``,`` in ``text``, strings included (the first count of :func:`count_json_items`)."""
+    if isinstance(text, str):
+        return text.count("[") + text.count("{") + text.count(",")
+    return text.count(b"[") + text.count(b"{") + text.count(b",")
+
+
+def _b64decode(body: bytes | bytearray) -> tuple[bytes, int]:
+    """Strict base64 (``b64decode(validate=True)``), decoded :data:`_BASE64_CHUNK` characters at a time, and the
+    :func:`_marks` of what it decodes to, counted piece by piece (in UTF-8 those bytes are never part of another
+    character, so the count is the decoded text's)."""
     if len(body) <= _BASE64_CHUNK:
-        return binascii.a2b_base64(body, strict_mode=True)
+        raw = binascii.a2b_base64(body, strict_mode=True)
+        return raw, _marks(raw)
     view = memoryview(body)
     pieces = []
+    marks = 0
     for start in range(0, len(body), _BASE64_CHUNK):
         piece = view[start:start + _BASE64_CHUNK]
         if len(piece) == _BASE64_CHUNK and start + _BASE64_CHUNK < len(body) and piece[-1] == ord("="):
             raise binascii.Error("padding before the end of the payload")
-        pieces.append(binascii.a2b_base64(piece, strict_mode=True))
-    return b"".join(pieces)
+        decoded = binascii.a2b_base64(piece, strict_mode=True)
+        marks += _marks(decoded)
+        pieces.append(decoded)
+    return b"".join(pieces), marks
 
 
 def _checked_frame(payload: dict[str, Any], version: int) -> Frame | None:
@@ -492,14 +520,14 @@ def _decode_payload(body: bytes | bytearray, loads: Callable[..., Any]) -> dict[
     """base64 -> UTF-8 -> JSON object (with ``loads``: :func:`jsoncodec.loads` or :func:`jsoncodec.stdlib_loads`),
     or a recoverable ``BAD_PAYLOAD`` naming the failing step (and the limit)."""
     try:
-        raw = _b64decode(body)
+        raw, marks = _b64decode(body)
     except (binascii.Error, ValueError):
         raise _remote_bad_payload("base64", "payload is not valid base64") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise _remote_bad_payload("utf-8", "payload is not UTF-8") from None
-    if count_json_items(text) > MAX_JSON_ITEMS:
+    if count_json_items(text, marks) > MAX_JSON_ITEMS:
         raise _remote_bad_payload("json", f"payload holds more than {MAX_JSON_ITEMS} JSON values",
                                   max_json_items=MAX_JSON_ITEMS)
     try:

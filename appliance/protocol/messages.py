@@ -33,13 +33,19 @@ Tasks
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NoReturn
 
 from appliance.errors import TABLE, ApplianceError
-from appliance.protocol.frames import VERSION, LocalProtocolError, RemoteProtocolError, check_json, encode_frame
+from appliance.protocol.frames import (
+    VERSION,
+    LocalProtocolError,
+    RemoteProtocolError,
+    check_json,
+    encode_frame,
+    is_valid_unicode,
+)
 from appliance.protocol.identifiers import agent_id_problem
 
 SCHEMA = "magn/1"
@@ -61,7 +67,6 @@ MAX_EMBED_INPUTS = 2048
 MAX_EMBED_DIMENSIONS = 1 << 20
 
 _MAX_EXACT_FLOAT_INT = 2**53  # larger ints do not survive the conversion to float
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Check = Callable[[Any, str], Any]
 """A field check: ``check(value, field_name)`` returns the normalised value or raises via :func:`_fail`."""
@@ -90,7 +95,7 @@ def _is_identifier(value: Any) -> bool:
         return False
     if not 0 < len(value) <= MAX_ID_CHARS:
         return False
-    return not _SURROGATE.search(value)
+    return is_valid_unicode(value)
 
 
 def _is_int(value: Any) -> bool:
@@ -111,7 +116,7 @@ def _check_agent_id(value: Any, name: str) -> str:
 
 
 def _check_text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or _SURROGATE.search(value):
+    if not isinstance(value, str) or not is_valid_unicode(value):
         _fail(name, "must be a string of valid Unicode")
     return value
 

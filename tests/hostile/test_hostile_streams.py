@@ -7,6 +7,7 @@ import socket
 import time
 from typing import Any
 
+import pytest
 from harness import RawPeer
 
 from appliance.client import lines as lineclient
@@ -53,7 +54,15 @@ def test_a_client_that_leaves_mid_decode_takes_its_request_back(hostile) -> None
         app.line(f"UNREGISTER {agent}")
 
 
-def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hostile) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def big_prompt_frame() -> bytes:
+    """A frame with a 12 MB prompt, built before the appliance starts: encoding it holds this process's GIL for
+    100 ms or more, and the appliance under test runs in this process."""
+    return encode_frame({"type": "INFER_REQUEST", "task_id": "big", "model": "demo", "max_tokens": 4,
+                         "prompt": "hello world " * 1_000_000, "temperature": 0})
+
+
+def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(big_prompt_frame, hostile) -> None:  # type: ignore[no-untyped-def]
     """Before: tokenized whole (+480 MB, 2.9 s of engine time) before the context check refused it. Now refused by
     its byte size (the room left x the vocabulary's longest token piece) without being tokenized."""
     runtime = hostile.app.daemon.models["demo"].runtime.inner  # the neighbour keeps it loaded; inside the gate
@@ -67,8 +76,7 @@ def test_a_12_mb_prompt_is_refused_by_its_size_while_the_neighbour_is_served(hos
     runtime.weights.tokenize = counting
     served = hostile.neighbour.served
     peer = RawPeer(hostile.socket)
-    frame = encode_frame({"type": "INFER_REQUEST", "task_id": "big", "model": "demo", "max_tokens": 4,
-                          "prompt": "hello world " * 1_000_000, "temperature": 0})
+    frame = big_prompt_frame
     took: list[float] = []
     try:
         for _ in range(3):

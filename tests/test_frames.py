@@ -29,6 +29,7 @@ from appliance.protocol.frames import (
     RemoteProtocolError,
     count_json_items,
     encode_frame,
+    is_valid_unicode,
     looks_like_magn,
 )
 
@@ -456,3 +457,38 @@ def test_bad_payload_frames_between_good_ones_do_not_break_the_stream(frames: li
         except RemoteProtocolError as exc:
             assert not exc.fatal
     assert [f.payload for f in good] == frames
+
+
+@pytest.mark.parametrize("at", [0, (1 << 18) - 1, 1 << 18, 3 * (1 << 18) + 5, -1])
+def test_a_lone_surrogate_anywhere_in_a_long_string_is_found(at: int) -> None:
+    """The surrogate search goes piece by piece over long text: one at a piece's edge or at the end is found,
+    in a value and in a frame's decoded payload alike."""
+    chars = list("h\u00e9llo w\u00f6rld " * 100_000)
+    assert is_valid_unicode("".join(chars))
+    chars[at] = "\ud800"
+    text = "".join(chars)
+    assert not is_valid_unicode(text)
+    with pytest.raises(LocalProtocolError) as caught:
+        Frame({"prompt": text})
+    assert caught.value.error.details["field"] == "prompt"
+    body = base64.b64encode(json.dumps({"prompt": text}).encode())  # \ud800 escaped: valid JSON, then refused
+    parser = FrameParser()
+    parser.receive_data(frame_of(body))
+    with pytest.raises(RemoteProtocolError) as refused:
+        parser.next_event()
+    assert refused.value.code == "BAD_PAYLOAD" and not refused.value.fatal
+
+
+def test_a_big_payload_s_structure_is_counted_across_its_base64_pieces() -> None:
+    """The structure count of a payload past the base64 piece size is the whole text's: a frame of commas just
+    over the limit, spread over many pieces, is refused; one just under it is parsed."""
+    pad = "x" * (1 << 20)
+    under = {"pad": pad, "stop": [""] * (MAX_JSON_ITEMS - 2)}  # "{", "[", one comma before "stop", n - 1 in the list
+    over = {"pad": pad, "stop": [""] * (MAX_JSON_ITEMS - 1)}
+    parser = FrameParser()
+    parser.receive_data(frame_of(base64.b64encode(json.dumps(under, separators=(",", ":")).encode())))
+    assert parser.next_event().payload == under
+    parser.receive_data(frame_of(base64.b64encode(json.dumps(over, separators=(",", ":")).encode())))
+    with pytest.raises(RemoteProtocolError) as refused:
+        parser.next_event()
+    assert refused.value.error.details["max_json_items"] == MAX_JSON_ITEMS

@@ -38,6 +38,33 @@ def test_a_prompt_too_quick_to_gather_for_does_not_wait() -> None:
     assert burst.gather_window(1.1 * burst.GATHER_MIN_S / burst.GATHER_SHARE) > 0.0
 
 
+def test_a_request_that_joins_extends_the_window_within_the_span() -> None:
+    expected = 0.200
+    window = burst.gather_window(expected)
+    span = burst.gather_span(expected)
+    assert window < span == min(burst.GATHER_SPAN_MAX_S, burst.GATHER_SPAN_SHARE * expected)
+    opened = 100.0
+    until = opened + window
+    limit = opened + span
+    assert burst.extended(until, limit, opened + 0.002, window) == pytest.approx(opened + 0.002 + window)
+    assert burst.extended(until, limit, opened - 0.005, window) == until  # never earlier than it was
+    later = burst.extended(until, limit, until - 0.001, window)
+    assert later == pytest.approx(until - 0.001 + window)
+    assert burst.extended(later, limit, limit - 0.001, window) == limit  # never past the span
+    assert burst.gather_span(None) == 0.0
+    assert burst.gather_span(0.9 * burst.GATHER_MIN_S / burst.GATHER_SHARE) == 0.0  # too quick: no window at all
+
+
+def test_the_first_step_waits_for_the_window_then_for_starts_still_queued_within_the_span() -> None:
+    until, limit = 100.010, 100.050
+    assert burst.gather_wait(100.004, until, limit, starting=0) == pytest.approx(0.006)
+    assert burst.gather_wait(100.004, until, limit, starting=3) == pytest.approx(0.006)
+    assert burst.gather_wait(100.020, until, limit, starting=0) == 0.0  # the window is over, no start waits
+    assert burst.gather_wait(100.020, until, limit, starting=2) == burst.GATHER_POLL_S
+    assert burst.gather_wait(100.0495, until, limit, starting=2) == pytest.approx(0.0005)
+    assert burst.gather_wait(100.050, until, limit, starting=2) == 0.0  # the span is over: go with what came
+
+
 def test_the_pace_ignores_decode_steps_and_follows_prompt_steps() -> None:
     pace = Pace()
     assert pace.seconds(64) is None
@@ -111,4 +138,40 @@ def test_without_a_measured_pace_the_first_request_steps_alone(tmp_path: Path, t
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     batch, sizes, together, alone = first_batch_of_two(tmp_path, tiny_model, None, monkeypatch)
     assert batch == sizes[0]  # its first step came in its start's engine job, before the second arrived
+    assert together == alone
+
+
+def test_starts_that_each_outlast_the_window_all_join_the_first_step(tmp_path: Path, tiny_model: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests sent together whose starts each take longer than the window (as a start that parks an idle
+    conversation does): each extends it, so the first step evaluates the four prompts; before, the step was queued
+    while some starts still waited and ran between them."""
+    import time
+
+    monkeypatch.setattr(burst, "GATHER_MAX_S", 0.020)
+    monkeypatch.setattr(burst, "GATHER_SPAN_MAX_S", 2.0)
+    daemon = make_daemon(tmp_path, tiny_model)
+    prompts = [*PROMPTS, "Rain fell on the quiet town all night", "Seven sailors rowed towards the far island"]
+
+    async def scenario() -> tuple[int, list[int], list[str], list[str]]:
+        try:
+            alone = [(await daemon.complete("m", 6, prompt, GREEDY)).generation.text for prompt in prompts]
+            runtime = daemon.models["m"].runtime
+            pace = RecordingPace(1.0)
+            runtime.slots.pace = pace
+            real_begin = runtime.begin
+
+            def slow_begin(*args, **kwargs):  # type: ignore[no-untyped-def]
+                time.sleep(0.030)  # on the engine thread: a park's copy
+                return real_begin(*args, **kwargs)
+
+            runtime.begin = slow_begin
+            sizes = [await daemon.count("m", prompt) for prompt in prompts]
+            results = await asyncio.gather(*(daemon.complete("m", 6, prompt, GREEDY) for prompt in prompts))
+            return pace.batches[0], sizes, [result.generation.text for result in results], alone
+        finally:
+            await daemon.close()
+
+    batch, sizes, together, alone = asyncio.run(scenario())
+    assert batch == sum(sizes)  # the four prompts in one step
     assert together == alone

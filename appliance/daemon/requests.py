@@ -71,20 +71,25 @@ def first_step(runtime: Any, cancelled: bool = False) -> None:
         log.exception("a decode step failed")
 
 
-def gathers(model: Model, runtime: Any, request: Request) -> bool:
-    """On the engine thread, as ``request`` starts: whether its first step waits for the step loop, which waits
-    until ``model.gather_until`` (:mod:`~appliance.daemon.burst`) so that requests arriving meanwhile join that
-    step. A request opens the window when it starts alone in the hot pool and its prompt is long enough
-    (:func:`~appliance.daemon.burst.gather_window`); one starting while the window is open joins it."""
+def gathers(model: Model, runtime: Any, request: Request, began: float) -> bool:
+    """On the engine thread, as ``request`` starts (its start began at ``began``, before any park it made): whether
+    its first step waits for the step loop, which waits until ``model.gather_until`` (:mod:`~appliance.daemon.burst`)
+    so that requests arriving meanwhile join that step. A request opens the window when it starts alone in the hot
+    pool and its prompt is long enough (:func:`~appliance.daemon.burst.gather_window`); one whose start began while
+    the window was open joins it and extends it (:func:`~appliance.daemon.burst.extended`)."""
     now = time.monotonic()
-    if now < model.gather_until:
+    if began < model.gather_until:
+        model.gather_until = burst.extended(model.gather_until, model.gather_limit, now, model.gather_window)
         return True
     if request.cold or len(runtime.slots.requests) != 1:
         return False
-    window = burst.gather_window(runtime.slots.pace.seconds(request.evaluated))
+    expected = runtime.slots.pace.seconds(request.evaluated)
+    window = burst.gather_window(expected)
     if window <= 0:
         return False
-    model.gather_until = now + window
+    model.gather_window = window
+    model.gather_limit = began + burst.gather_span(expected)
+    model.gather_until = max(now, min(model.gather_limit, now + window))
     return True
 
 
@@ -100,10 +105,12 @@ def steps(runtime: Any) -> None:
 
 
 async def gathered(model: Model) -> None:
-    """Wait until the model's burst window (:func:`gathers`) is over."""
-    delay = model.gather_until - time.monotonic()
-    if delay > 0:
+    """Wait until the model's burst window (:func:`gathers`) is over, extensions and the starts still queued
+    within its span included (:func:`~appliance.daemon.burst.gather_wait`)."""
+    delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_limit, model.starting)
+    while delay > 0:
         await asyncio.sleep(delay)
+        delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_limit, model.starting)
 
 
 async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:
@@ -346,6 +353,7 @@ class Requests(DaemonBase):
                 from_disk = self.unspill(agent)
             rebuilt = conv.where != "device" and bool(conv.tokens)  # unless its state comes back (below)
             restoring = conv.nbytes if conv.where == "host" else 0
+            began = time.monotonic()
             started = time.perf_counter()
 
             def before_park(parking: Conversation, state_bytes: int) -> None:  # room in host RAM for its state
@@ -373,7 +381,7 @@ class Requests(DaemonBase):
             model.decoding += 1
             if cancel.is_set():
                 first_step(runtime, cancelled=True)
-            elif not queued and not gathers(model, runtime, request):  # else the step loop steps it
+            elif not queued and not gathers(model, runtime, request, began):  # else the step loop steps it
                 first_step(runtime)
             return request
 
@@ -474,7 +482,12 @@ class Requests(DaemonBase):
             while True:
                 seen = model.ended
                 if not queued or self._may_try(model, ticket):
-                    request = await started(self.engine.submit(functools.partial(start, queued), queue=queue), cancel)
+                    model.starting += 1
+                    try:
+                        request = await started(self.engine.submit(functools.partial(start, queued), queue=queue),
+                                                cancel)
+                    finally:
+                        model.starting -= 1
                     short = request if isinstance(request, ShortOfCells) else None
                     if request is not None and request is not WAIT_TURN and request is not DRAINING and short is None:
                         if not isinstance(request, ColdNeeded):  # its pool demand counts the cells still waiting

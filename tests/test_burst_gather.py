@@ -7,6 +7,7 @@ quick to gather for on their own)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -146,8 +147,6 @@ def test_starts_that_each_outlast_the_window_all_join_the_first_step(tmp_path: P
     """Four requests sent together whose starts each take longer than the window (as a start that parks an idle
     conversation does): each extends it, so the first step evaluates the four prompts; before, the step was queued
     while some starts still waited and ran between them."""
-    import time
-
     monkeypatch.setattr(burst, "GATHER_MAX_S", 0.020)
     monkeypatch.setattr(burst, "GATHER_SPAN_MAX_S", 2.0)
     daemon = make_daemon(tmp_path, tiny_model)

@@ -18,6 +18,7 @@ from appliance.engine.adaptive import (
     Tuning,
     choose_threads,
     cpu_share,
+    initial_plan,
     initial_pool,
 )
 from appliance.engine.profile import RequestSample
@@ -27,10 +28,10 @@ SETTINGS = Settings(adaptive=True, window_size=8, sample_rate=1, hot_pool_slack=
                     live_slots=4)
 
 
-def sample(input_tokens: int = 50, peak: int = 100, threads: int = 2) -> RequestSample:
+def sample(input_tokens: int = 50, peak: int = 100, threads: int = 2, burst: int = 0) -> RequestSample:
     return RequestSample(input_tokens=input_tokens, output_tokens=16, prompt_evaluated=input_tokens, ttft_s=0.01,
-                         decode_s=0.05, kv_cells_used=peak, kv_cells_peak=peak, live_sequences=1, threads=threads,
-                         queue_length=0)
+                         decode_s=0.05, kv_cells_used=peak, kv_cells_peak=peak, live_sequences=8 if burst else 1,
+                         threads=threads, queue_length=0, burst_tokens=burst)
 
 
 def fed(tuner: Tuner, samples: list[RequestSample]) -> Tuner:
@@ -40,8 +41,8 @@ def fed(tuner: Tuner, samples: list[RequestSample]) -> Tuner:
 
 
 def test_an_adaptive_model_starts_small_and_a_fixed_one_with_its_whole_context():
-    assert Tuner(SETTINGS, 4096, usable_cores=8).current == Tuning(INITIAL_POOL, "S", 4)
-    assert Tuner(SETTINGS, 4096, usable_cores=2).current == Tuning(INITIAL_POOL, "S", 2)
+    assert Tuner(SETTINGS, 4096, usable_cores=8).current == Tuning(INITIAL_POOL, "M", 4)
+    assert Tuner(SETTINGS, 4096, usable_cores=2).current == Tuning(INITIAL_POOL, "M", 2)
     assert Tuner(SETTINGS, 300, usable_cores=2).current.pool_cells == 300
     fixed = Tuner(replace(SETTINGS, adaptive=False), 4096, usable_cores=8)
     assert fixed.current == Tuning(4096, FIXED, 2)
@@ -57,14 +58,25 @@ def test_the_initial_pool_holds_a_short_turn_for_every_live_sequence():
     assert initial_pool(4096, 8) == 8 * TURN_CELLS
     assert initial_pool(4096, 9) == 1280  # rounded up to llama.cpp's 256-cell padding
     assert initial_pool(700, 8) == 700  # never past n_ctx
-    assert Tuner(replace(SETTINGS, live_slots=8), 4096, usable_cores=2).current == Tuning(8 * TURN_CELLS, "S", 2)
+    assert Tuner(replace(SETTINGS, live_slots=8), 4096, usable_cores=2).current == Tuning(8 * TURN_CELLS, "L", 2)
     with pytest.raises(ValueError, match="live_slots"):
         initial_pool(4096, 0)
 
 
+@pytest.mark.parametrize(("live_slots", "plan"), [(1, "S"), (2, "S"), (3, "M"), (4, "M"), (5, "L"), (64, "L")])
+def test_the_initial_plan_holds_a_first_burst_of_short_prompts_in_one_micro_batch(live_slots, plan):
+    assert initial_plan(live_slots) == plan  # 64 tokens a sequence: S holds 128, M 256, L 512
+    assert Tuner(replace(SETTINGS, live_slots=live_slots), 4096, usable_cores=2).current.plan == plan
+
+
+def test_initial_plan_refuses_no_sequences():
+    with pytest.raises(ValueError, match="live_slots"):
+        initial_plan(0)
+
+
 def test_nothing_moves_until_the_window_has_enough_samples():
     tuner = fed(Tuner(SETTINGS, 4096, 2), [sample(900, 2000)] * (MIN_SAMPLES - 1))
-    assert tuner.decide(0).pool_cells == INITIAL_POOL and tuner.decide(0).plan == "S"
+    assert tuner.decide(0).pool_cells == INITIAL_POOL and tuner.decide(0).plan == initial_plan(4) == "M"
     tuner.observe(sample(900, 2000))
     assert tuner.decide(0) == Tuning(2560, "L", 2)  # 2000 x 1.2 = 2400, in steps of 256
 
@@ -108,6 +120,43 @@ def test_the_plan_follows_the_p90_input_with_hysteresis_at_each_boundary(current
     tuner = fed(Tuner(SETTINGS, 4096, 2), [sample(input_tokens=p90)] * 8)
     tuner.applied(Tuning(INITIAL_POOL, current, 2))
     assert tuner.decide(0).plan == expected
+
+
+def test_bursts_of_short_prompts_raise_the_plan_until_they_stop():
+    tuner = fed(Tuner(replace(SETTINGS, live_slots=8), 4096, 2), [sample(input_tokens=64, burst=512)] * 8)
+    tuner.applied(Tuning(1024, "S", 2))
+    assert tuner.decide(0).plan == "L"  # 8 prompts of 64 tokens in one step: one micro-batch of 512
+    tuner.applied(Tuning(1024, "L", 2))
+    fed(tuner, [sample(input_tokens=64, burst=256)] * 8)  # bursts of 4: M would hold them, but not within 90 %
+    assert tuner.decide(0).plan == "L"
+    fed(tuner, [sample(input_tokens=64, burst=192)] * 8)  # bursts of 3
+    assert tuner.decide(0).plan == "M"
+    tuner.applied(Tuning(1024, "M", 2))
+    fed(tuner, [sample(input_tokens=64, burst=128)] * 8)  # bursts of 2: S holds them, but not within 90 %
+    assert tuner.decide(0).plan == "M"
+    fed(tuner, [sample(input_tokens=64)] * 8)  # one agent at a time
+    assert tuner.decide(0).plan == "S"
+
+
+def test_a_long_prompt_keeps_its_plan_whatever_the_bursts():
+    tuner = fed(Tuner(SETTINGS, 4096, 2), [sample(input_tokens=700, peak=800)] * 8)
+    assert tuner.decide(0).plan == "L"  # by the input, no burst at all
+    tuner.applied(Tuning(1024, "L", 2))
+    fed(tuner, [sample(input_tokens=64, burst=512)] * 7 + [sample(input_tokens=64, burst=0)])
+    assert tuner.decide(0).plan == "L"  # by the bursts, short inputs
+
+
+def test_warm_up_runs_alone_do_not_undo_the_initial_plan():
+    tuner = Tuner(replace(SETTINGS, live_slots=8, sample_rate=4), 4096, 2)
+    for _ in range(8):
+        tuner.seed(sample(input_tokens=32))
+    assert tuner.burst_figure() is None and tuner.decide(0).plan == "L"
+    for _ in range(MIN_SAMPLES - 1):
+        tuner.profile.seed(sample(input_tokens=32))  # seeds are not sampled requests
+    assert tuner.burst_figure() is None
+    fed(tuner, [sample(input_tokens=32)] * 64)  # served requests, one at a time: about 16 sampled
+    assert tuner.profile.sampled >= MIN_SAMPLES
+    assert tuner.burst_figure() == 0 and tuner.decide(0).plan == "S"
 
 
 @pytest.mark.parametrize(("percent", "cores", "usable", "current", "expected"), [
@@ -166,7 +215,7 @@ def test_a_reload_keeps_the_profile_unless_its_window_changes_and_switches_strat
     tuner.reconfigure(replace(SETTINGS, adaptive=False), 1024)
     assert tuner.current == Tuning(1024, FIXED, 2)
     tuner.reconfigure(SETTINGS, 1024)
-    assert tuner.current == Tuning(INITIAL_POOL, "S", 2)
+    assert tuner.current == Tuning(INITIAL_POOL, "M", 2)
 
 
 def test_presets_are_the_device_classes_of_the_spec():

@@ -17,7 +17,7 @@ from appliance.daemon.adaptive import cold_key, next_key
 from appliance.daemon.core import Daemon, context_key
 from appliance.daemon.devices import FakeDevice
 from appliance.engine import plans
-from appliance.engine.adaptive import FIXED, MIN_SAMPLES, CpuShare, Tuning
+from appliance.engine.adaptive import FIXED, MIN_SAMPLES, CpuShare, Tuning, initial_plan
 from appliance.engine.interface import Conversation
 from appliance.engine.runtime import Engine, Runtime
 from appliance.engine.tinymodel import write_tiny_model
@@ -186,7 +186,7 @@ def test_a_reload_switches_between_the_fixed_and_the_adaptive_strategy_live(tmp_
             await daemon.register("a", "m")
             model = daemon.models["m"]
             before = await daemon.decode("a", 6, "Hello world")
-            assert model.runtime.pool_cells == 512 and before.plan == "S"
+            assert model.runtime.pool_cells == 512 and before.plan == initial_plan(4) == "M"  # live_slots 4
             daemon.apply_config(daemon_config(tmp_path, wide_model, threads=2, adaptive=False))
             await model.retuning
             assert model.runtime.pool_cells == N_CTX and model.runtime.tuning == Tuning(N_CTX, FIXED, 2)
@@ -195,7 +195,7 @@ def test_a_reload_switches_between_the_fixed_and_the_adaptive_strategy_live(tmp_
             assert fixed.plan == "fixed" and fixed.generation.generated_tokens == 6
             daemon.apply_config(daemon_config(tmp_path, wide_model, threads=2, adaptive=True))
             await model.retuning
-            assert model.runtime.pool_cells == 512 and model.runtime.tuning.plan == "S"
+            assert model.runtime.pool_cells == 512 and model.runtime.tuning.plan == "M"
         finally:
             await daemon.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -101,16 +102,28 @@ def make_daemon(tmp_path: Path, model: Path) -> Daemon:
 PROMPTS = ("Once upon a time there was a fox", "The quick brown fox jumps over the lazy dog")
 
 
+@dataclass
+class Pair:
+    """Two requests sent one after the other: the first step's batch, their prompt tokens, the texts they got and
+    their texts alone, and the ``burst_tokens`` each reported together and alone."""
+
+    batch: int
+    sizes: list[int]
+    together: list[str]
+    alone: list[str]
+    bursts: list[int]
+    bursts_alone: list[int]
+
+
 def first_batch_of_two(tmp_path: Path, model: Path, seconds_per_token: float | None,
-                       monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[int], list[str], list[str]]:
-    """The first step's batch when a second request starts once the first has started (and its prompt tokens),
-    with the texts both got and their texts alone."""
+                       monkeypatch: pytest.MonkeyPatch) -> Pair:
+    """Two requests, the second started once the first has started (:class:`Pair`)."""
     monkeypatch.setattr(burst, "GATHER_MAX_S", 2.0)  # a loaded box's hops never outlast the window
     daemon = make_daemon(tmp_path, model)
 
-    async def scenario() -> tuple[int, list[int], list[str], list[str]]:
+    async def scenario() -> Pair:
         try:
-            alone = [(await daemon.complete("m", 6, prompt, GREEDY)).generation.text for prompt in PROMPTS]
+            solo = [await daemon.complete("m", 6, prompt, GREEDY) for prompt in PROMPTS]
             model_state = daemon.models["m"]
             runtime = model_state.runtime
             pace = RecordingPace(seconds_per_token)
@@ -120,8 +133,10 @@ def first_batch_of_two(tmp_path: Path, model: Path, seconds_per_token: float | N
             while model_state.decoding == 0:  # the first has started on the engine thread
                 await asyncio.sleep(0.0005)
             second = asyncio.ensure_future(daemon.complete("m", 6, PROMPTS[1], GREEDY))
-            together = [result.generation.text for result in await asyncio.gather(first, second)]
-            return pace.batches[0], sizes, together, alone
+            results = await asyncio.gather(first, second)
+            return Pair(pace.batches[0], sizes, [result.generation.text for result in results],
+                        [result.generation.text for result in solo], [result.burst_tokens for result in results],
+                        [result.burst_tokens for result in solo])
         finally:
             await daemon.close()
 
@@ -130,16 +145,19 @@ def first_batch_of_two(tmp_path: Path, model: Path, seconds_per_token: float | N
 
 def test_a_request_arriving_in_the_window_joins_the_first_step(tmp_path: Path, tiny_model: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    batch, sizes, together, alone = first_batch_of_two(tmp_path, tiny_model, 1.0, monkeypatch)
-    assert batch == sum(sizes)  # both prompts in one step
-    assert together == alone
+    pair = first_batch_of_two(tmp_path, tiny_model, 1.0, monkeypatch)
+    assert pair.batch == sum(pair.sizes)  # both prompts in one step
+    assert pair.together == pair.alone
+    assert pair.bursts == [sum(pair.sizes)] * 2  # each knows the step that ended both prompts (the plan's figure)
+    assert pair.bursts_alone == [0, 0]
 
 
 def test_without_a_measured_pace_the_first_request_steps_alone(tmp_path: Path, tiny_model: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    batch, sizes, together, alone = first_batch_of_two(tmp_path, tiny_model, None, monkeypatch)
-    assert batch == sizes[0]  # its first step came in its start's engine job, before the second arrived
-    assert together == alone
+    pair = first_batch_of_two(tmp_path, tiny_model, None, monkeypatch)
+    assert pair.batch == pair.sizes[0]  # its first step came in its start's engine job, before the second arrived
+    assert pair.together == pair.alone
+    assert pair.bursts == [0, 0]  # each prompt ended in a step of its own: no burst
 
 
 def test_starts_that_each_outlast_the_window_all_join_the_first_step(tmp_path: Path, tiny_model: Path,

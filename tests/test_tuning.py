@@ -7,10 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.engine.tuning import (
+    burst_plan,
     choose_plan,
     choose_threads,
     cpu_idle_percent,
     hot_pool_cells,
+    larger_plan,
     parse_cpu_max,
     parse_proc_stat,
     resize_pool,
@@ -230,6 +232,76 @@ def test_plan_hysteresis(current: str, p90: float, expected: str) -> None:
 )
 def test_plan_margins(current: str, p90: float, margin: float, expected: str) -> None:
     assert choose_plan(p90, BOUNDARIES, current, margin=margin) == expected
+
+
+UBATCHES = (128, 256, 512)
+
+
+@pytest.mark.parametrize(
+    ("current", "p90", "expected"),
+    [
+        # Without a plan: the first whose micro-batch holds the step.
+        (None, 0, "S"),
+        (None, 128, "S"),
+        (None, 129, "M"),
+        (None, 256, "M"),
+        (None, 257, "L"),
+        (None, 512, "L"),
+        (None, 4000, "L"),  # past every micro-batch: the largest
+        # Up as soon as the step no longer fits one micro-batch of the current plan.
+        ("S", 128, "S"),
+        ("S", 129, "M"),
+        ("S", 300, "L"),
+        ("M", 257, "L"),
+        # Down only within 90 % of the smaller plan's micro-batch: 230.4 for M, 115.2 for S.
+        ("L", 256, "L"),
+        ("L", 231, "L"),
+        ("L", 230, "M"),
+        ("L", 115, "S"),
+        ("M", 128, "M"),
+        ("M", 116, "M"),
+        ("M", 115, "S"),
+        ("M", 0, "S"),
+        # No burst figure: the plan stays.
+        ("L", None, "L"),
+        ("M", None, "M"),
+        (None, None, "S"),
+    ],
+)
+def test_the_burst_plan_holds_the_burst_step_in_one_micro_batch(current: str | None, p90: float | None,
+                                                                 expected: str) -> None:
+    assert burst_plan(p90, UBATCHES, current) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ubatches": (128, 256)}, "ubatches"),
+        ({"ubatches": (256, 128, 512)}, "ubatches"),
+        ({"ubatches": (0, 128, 512)}, "ubatches"),
+        ({"margin": 1.0}, "margin"),
+        ({"current": "XL"}, "current"),
+        ({"p90_burst": -1}, "p90_burst"),
+    ],
+)
+def test_the_burst_plan_refuses_bad_input(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"p90_burst": 200, "ubatches": UBATCHES, "current": "S"}
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        burst_plan(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", UBATCHES[:2])
+def test_a_burst_oscillating_across_a_micro_batch_keeps_the_larger_plan(size: int) -> None:
+    plan = burst_plan(size + 1, UBATCHES, None)
+    for p90 in (size - 1, size + 1, size - 5, size + 3):
+        assert burst_plan(p90, UBATCHES, plan) == plan
+
+
+def test_the_larger_plan_of_two() -> None:
+    assert larger_plan("S", "L") == larger_plan("L", "S") == "L"
+    assert larger_plan("M", "S") == "M"
+    assert larger_plan("S", "S") == "S"
 
 
 @pytest.mark.parametrize("boundary", BOUNDARIES)

@@ -310,6 +310,7 @@ class AdaptiveLoop:
             live_sequences=request.live_sequences,
             threads=request.threads,
             queue_length=model.admission.waiting,
+            burst_tokens=request.burst_tokens,
         )
         if self.tuner(model).observe(sample):
             self.schedule(model)

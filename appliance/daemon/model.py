@@ -137,6 +137,7 @@ class DecodeResult:
     threads: int = 0  # the threads that context decoded with
     peak_memory_bytes: int = 0  # the ledger bytes of the model (weights, live and cold contexts) while it ran
     restored_from: str = "none"  # where its KV state came from: none, device, host, disk or tokens (durable.py)
+    burst_tokens: int = 0  # the step that ended its prompt, when it ended other prompts too (the plan's figure)
 
 
 FileIdentity = tuple[int, int, int, int]

@@ -317,7 +317,7 @@ class Requests(DaemonBase):
                 restored_from = "tokens"
             return DecodeResult(agent_id, model.key, generation, evicted, request.restored, re_evaluated,
                                 tuple(dropped), notice, request.plan, request.threads, request.memory_bytes,
-                                restored_from)
+                                restored_from, request.burst_tokens)
 
         def answer_at_end(request: Any) -> None:
             """On the loop, in the callback that learns of the request's end: ``on_result`` now, unless what comes

@@ -9,7 +9,10 @@ functions of :mod:`appliance.engine.tuning`:
 * **hot pool** (E2): P90 of the requests' KV need (the cells the context had to hold for the request to run: its
   conversation, prompt and ``max_tokens``, plus the other requests in flight) x ``hot_pool_slack``, in steps of
   :data:`POOL_GRANULARITY` cells, never below what the live conversations hold, at most the model's ``n_ctx``;
-* **plan** (E3): S, M or L by P90 input tokens and ``plan_boundaries``;
+* **plan** (E3): S, M or L by P90 input tokens and ``plan_boundaries``, or larger where the steps that evaluate
+  several prompts at once (a burst of agents) need a larger micro-batch (P90 of ``burst_tokens``,
+  :func:`~appliance.engine.tuning.burst_plan`; until :data:`MIN_SAMPLES` served requests were sampled the plan
+  bursts chose stays, the initial one holding a first burst on every live sequence);
 * **threads** (E4): by the share of the CPU this process can get (idle time plus its own), bands
   ``thread_idle_thresholds``, capped by the usable cores and by the cores that share stands for.
 
@@ -20,8 +23,9 @@ without waiting for samples, and holds that size while the window turns over (:a
 that, with the usual shrink margin, may the pool shrink again.
 
 Until the window holds :data:`MIN_SAMPLES` samples the pool and plan stay as they are (a model starts with
-:func:`initial_pool` cells and plan S, or what its warm-up runs showed). ``adaptive: false`` is the fixed strategy:
-the configured ``n_ctx`` as one pool, the fixed plan, the fixed thread count; :meth:`Tuner.decide` then returns it.
+:func:`initial_pool` cells and :func:`initial_plan`, or what its warm-up runs showed). ``adaptive: false`` is the
+fixed strategy: the configured ``n_ctx`` as one pool, the fixed plan, the fixed thread count; :meth:`Tuner.decide`
+then returns it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from appliance.engine import tuning
+from appliance.engine.plans import PLANS
 from appliance.engine.profile import LoadProfile, RequestSample
 
 POOL_GRANULARITY = 256
@@ -40,6 +45,10 @@ TURN_CELLS = 128
 sequence, so that a first burst filling every sequence does not wait for a growth (measured,
 ``benchmarks/concurrency.py``, 8 agents on ``live_slots`` 8: the 4 that did not fit 512 cells got their first token
 0.6-1.6 s after the other 4, the growth built beside 4 running sequences)."""
+TURN_PROMPT = 64
+"""Prompt tokens of one short agent turn (:data:`TURN_CELLS`)."""
+UBATCHES = (PLANS["S"].n_ubatch, PLANS["M"].n_ubatch, PLANS["L"].n_ubatch)
+"""The micro-batch of each plan, S to L (:func:`~appliance.engine.tuning.burst_plan`)."""
 MIN_SAMPLES = 4
 """Samples in the window before the pool or the plan follows it."""
 FIXED = "fixed"
@@ -120,6 +129,15 @@ def initial_pool(n_ctx: int, live_slots: int) -> int:
     return min(max(INITIAL_POOL, wanted), n_ctx)
 
 
+def initial_plan(live_slots: int) -> str:
+    """The plan of an adaptive model before its profile says anything: the one whose micro-batch holds a first
+    burst of a short turn's prompt (:data:`TURN_PROMPT`) on each of its ``live_slots`` sequences, as
+    :func:`initial_pool` holds their cells (S for 1 or 2 sequences, M for 3 or 4, L from 5)."""
+    if live_slots < 1:
+        raise ValueError(f"live_slots must be at least 1, got {live_slots}")
+    return tuning.burst_plan(live_slots * TURN_PROMPT, UBATCHES, None)
+
+
 class Tuner:
     """A model's load profile and the tuning of its live context (module docstring). ``n_ctx`` is the model's
     configured context length: the largest pool and the fixed strategy's."""
@@ -135,12 +153,14 @@ class Tuner:
         self.floor = 0  # the pool the queue asked for (queue_demand): kept until floor_until requests were observed
         self.floor_until = 0
         self.ceiling = n_ctx  # the largest pool a growth may build now (limit)
+        self.burst = self.current.plan  # the plan bursts asked for last (kept while the window shows none)
 
     def initial(self) -> Tuning:
         """The tuning a model starts with (nothing profiled yet)."""
         if not self.settings.adaptive:
             return Tuning(self.n_ctx, FIXED, self.settings.fixed_threads)
-        return Tuning(initial_pool(self.n_ctx, self.settings.live_slots), tuning.PLANS[0], self.start_threads())
+        return Tuning(initial_pool(self.n_ctx, self.settings.live_slots), initial_plan(self.settings.live_slots),
+                      self.start_threads())
 
     def start_threads(self) -> int:
         if self.settings.pinned_threads:
@@ -159,6 +179,7 @@ class Tuner:
         self.n_ctx = n_ctx
         if switched or not settings.adaptive:
             self.current = self.initial()
+            self.burst = self.current.plan
         elif self.current.pool_cells > n_ctx:
             self.current = replace(self.current, pool_cells=n_ctx)
 
@@ -216,7 +237,11 @@ class Tuner:
                                            granularity=POOL_GRANULARITY, minimum=POOL_GRANULARITY,
                                            maximum=max(self.n_ctx, POOL_GRANULARITY))
             pool = min(tuning.resize_pool(pool, wanted), self.n_ctx)
-            plan = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries, plan)
+            by_input = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries,
+                                          plan)
+            self.burst = tuning.burst_plan(self.burst_figure(), UBATCHES,
+                                           self.burst if self.burst != FIXED else tuning.PLANS[0])
+            plan = tuning.larger_plan(by_input, self.burst)
         pool = max(pool, min(live_cells, self.n_ctx), min(self.held_floor(), self.n_ctx))
         if pool > current.pool_cells:
             pool = max(current.pool_cells, min(pool, self.ceiling))
@@ -226,6 +251,15 @@ class Tuner:
         elif cpu is not None:
             threads = choose_threads(cpu, settings.thread_idle_thresholds, self.usable_cores, threads)
         return Tuning(pool, plan, threads)
+
+    def burst_figure(self) -> int | None:
+        """P90 of the window's ``burst_tokens`` (0 for a request whose prompt was evaluated alone); None until
+        :data:`MIN_SAMPLES` served requests were sampled (warm-up runs are alone by design: they say nothing of
+        bursts)."""
+        if self.profile.sampled < MIN_SAMPLES:
+            return None
+        figure = self.profile.percentiles("burst_tokens").p90
+        return None if figure is None else int(figure)
 
     def applied(self, tuning_now: Tuning) -> None:
         """The context now runs with ``tuning_now``."""

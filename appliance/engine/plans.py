@@ -1,5 +1,8 @@
 """Execution plans S/M/L (issue #12 E3): the llama.cpp batch parameters of a live context, chosen by the P90
-input length of the model's load profile (S < 128 tokens, M 128-512, L > 512; ``engine.plan_boundaries``).
+input length of the model's load profile (S < 128 tokens, M 128-512, L > 512; ``engine.plan_boundaries``), or
+larger where bursts of prompts evaluated together need a larger micro-batch
+(:func:`~appliance.engine.tuning.burst_plan`: several prompts in one graph are faster than in several, unlike one
+prompt, whose time is the same at every ``n_ubatch`` below).
 
 Measured with ``benchmarks/plans.py`` (07:00-07:30 UTC, this 2-core box heavily shared: load average 4-7 during
 the run; 12 layers x 768 f16, 2 threads, 4 sequences, ``n_ctx`` 2048, ``n_batch`` 512; TTFT = one prompt alone to

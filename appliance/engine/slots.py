@@ -158,6 +158,7 @@ class Request:
     need: int = 0  # cells its conversation may hold by its end (conversation + prompt + n_tokens)
     demand: int = 0  # cells the context had to hold for it to run: its need + the other requests' in flight
     live_sequences: int = 0  # requests in flight in its context when it started, itself included
+    burst_tokens: int = 0  # the tokens of the step that ended its prompt, when that step ended other prompts too
     plan: str = ""  # the plan and threads of the context it ran in (set by its runtime)
     threads: int = 0
     cold: bool = False  # it ran in a temporary cold context
@@ -532,6 +533,7 @@ class Slots:
             return ended
         now = time.perf_counter()
         self.pace.observe(now - started, self.context.last_batch)
+        self._mark_burst(events)
         for event in events:
             request = self.requests.get(event.seq_id)
             if request is None:
@@ -544,6 +546,16 @@ class Slots:
             if finished is not None:
                 ended.append(self._end(event.seq_id, finished))
         return ended
+
+    def _mark_burst(self, events: list[SampledToken]) -> None:
+        """The requests whose prompts this step ended (their first token), when there are two or more: each is told
+        the step's tokens (``burst_tokens``: the plan's micro-batch should hold such a step)."""
+        first = [self.requests[event.seq_id] for event in events
+                 if event.seq_id in self.requests and self.requests[event.seq_id].ttft is None]
+        if len(first) < 2:
+            return
+        for request in first:
+            request.burst_tokens = self.context.last_batch
 
     def _deliver(self, request: Request, event: SampledToken, now: float) -> StopReason | None:
         conv = request.conv

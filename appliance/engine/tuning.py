@@ -12,7 +12,8 @@ so a workload sitting on a boundary does not flap between two values:
   the model's KV memory (pools and host buffers) passing what the fixed strategy preallocates.
 * **Plan (E3).** :func:`choose_plan`: S below the first boundary, M between, L above the second (P90 input
   tokens). Away from the current plan each boundary moves by ``margin`` times itself: leaving a plan needs the
-  value past the boundary by that much.
+  value past the boundary by that much. :func:`burst_plan`: the plan whose micro-batch holds the steps that
+  evaluate several prompts at once (P90 of those steps' tokens); the context runs the larger of the two.
 * **Threads (E4).** :func:`choose_threads`: CPU idle above the first threshold -> 4, between -> 3, below the
   second -> 2, capped by the cores the process may use (:func:`usable_cores`). Away from the current count each
   threshold moves by ``margin`` percentage points.
@@ -193,6 +194,44 @@ def choose_plan(
     if down < now:
         return PLANS[down]
     return current
+
+
+def burst_plan(p90_burst: float | None, ubatches: tuple[int, int, int], current: str | None,
+               margin: float = 0.1) -> str:
+    """The plan whose micro-batch holds a burst's step of ``p90_burst`` tokens (the P90 of the batches that
+    evaluated several requests' prompts together): the first of S, M, L whose ``ubatches`` entry (their
+    ``n_ubatch``) is at least it, L past them all. A step larger than one micro-batch runs as several graphs, and
+    several prompts evaluated in 2-4 graphs took 15-25 % longer than in one (8 x 64 tokens: 0.80-0.87 s at
+    ``n_ubatch`` 128 or 256, 0.65-0.70 s at 512; 4 x 64: 0.39-0.47 s at 128, 0.34-0.36 s at 256; one prompt of
+    the same length the same at every size; ``llama-batched-bench``, 12 x 768 f16, 2 threads).
+
+    Moving up needs only the step past the current plan's micro-batch; moving down needs it within ``1 - margin``
+    of the smaller plan's, so a burst sitting on a boundary does not flap. No figure (``None``: no burst seen)
+    keeps the current plan, or "S" without one."""
+    if len(ubatches) != len(PLANS) or not 1 <= ubatches[0] < ubatches[1] < ubatches[2]:
+        raise ValueError(f"ubatches must be three rising micro-batch sizes, at least 1, got {ubatches}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be at least 0 and below 1, got {margin}")
+    if current is not None and current not in PLANS:
+        raise ValueError(f"current must be one of {', '.join(PLANS)}, got {current!r}")
+    if p90_burst is not None and p90_burst < 0:
+        raise ValueError(f"p90_burst must be at least 0, got {p90_burst}")
+    if p90_burst is None:
+        return current or PLANS[0]
+    holding = next((index for index, size in enumerate(ubatches) if p90_burst <= size), len(PLANS) - 1)
+    if current is None:
+        return PLANS[holding]
+    now = PLANS.index(current)
+    if holding > now:
+        return PLANS[holding]
+    while now > 0 and p90_burst <= ubatches[now - 1] * (1 - margin):
+        now -= 1
+    return PLANS[now]
+
+
+def larger_plan(first: str, second: str) -> str:
+    """The larger of two plans (S < M < L)."""
+    return max(first, second, key=PLANS.index)
 
 
 def choose_threads(

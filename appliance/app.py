@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -207,6 +208,17 @@ def return_big_buffers() -> None:
     libc.mallopt(M_MMAP_THRESHOLD, BIG_BUFFER_BYTES)
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive once the appliance is up (modules, settings, the application itself) out of the
+    garbage collector's reach (:func:`gc.freeze`: no collection first, it is O(1)): they live as long as the
+    process, and each full collection walked them all. Measured (12x768 model, 8 agents a burst): full
+    collections of 28-65 ms that found nothing to free, one of them right as a burst arrived, so the loop read the
+    other seven requests 70 ms after the first and its prompt was evaluated alone (their first tokens one whole
+    prefill later); frozen, 3 ms. :meth:`Appliance.stop` unfreezes them (an appliance run in a longer process, as
+    the tests do, is freed)."""
+    gc.freeze()
+
+
 class Appliance:
     """The running appliance: what ``appliance run`` builds from a config.
 
@@ -318,6 +330,7 @@ class Appliance:
             await self.stop()
             raise
         self.notifier.ready(self.ready_status())
+        freeze_startup_objects()
 
     async def _start(self) -> None:
         config = self.config
@@ -785,6 +798,7 @@ class Appliance:
         self._locks.clear()
         log.info("appliance stopped (%s)", self.stop_reason)
         self.log_tail.detach()
+        gc.unfreeze()
 
     @staticmethod
     async def _drain(daemon: Daemon, grace_s: float) -> None:

@@ -415,7 +415,8 @@ def test_tune_holds_settings_while_its_connection_lasts_and_lets_go_when_it_clos
 
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent], watch=True) as app:
         assert app.line("REGISTER a tiny").startswith("OK")
-        assert "plan=S threads=" in app.line("DECODE a 2 hello")  # adaptive: the file's default
+        # adaptive, the file's default: live_slots 4 start with the plan holding four 64-token prompts in one graph
+        assert "plan=M threads=" in app.line("DECODE a 2 hello")
         for _ in range(3):
             app.line("DECODE a 2 and")
         app.settle()  # the retunes those requests asked for are done

@@ -3,6 +3,7 @@ for each start-up failure, signals that do not kill, a stop that removes only it
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -335,3 +336,13 @@ def test_sigterm_during_a_stream_ends_it_cleanly_and_exits_0(state: Path, tiny_m
         assert isinstance(end, m.TaskComplete), end
         assert grace_s > 0
     assert not (state / "appliance.sock").exists() and not (state / "registry.json").exists()
+
+
+def test_the_objects_alive_once_started_are_left_out_of_full_collections_until_the_stop(tiny_model: Path) -> None:
+    from harness import running
+
+    with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent]) as app:
+        assert gc.get_freeze_count() > 0
+        assert not any(tracked is app.appliance for tracked in gc.get_objects())  # a collection never walks it
+        assert app.line("REGISTER a tiny").startswith("OK")  # and it serves
+    assert gc.get_freeze_count() == 0  # stopped: what it held can be collected again

@@ -30,8 +30,8 @@ class RequestSample:
     first token; ``decode_s``: time from the first token to the last; ``kv_cells_used``: the KV cells its
     conversation held at the end, ``kv_cells_peak``: the most it held; ``live_sequences``: sequences live in the
     context when it ran; ``threads``: the thread count it ran with; ``queue_length``: requests waiting when it
-    started; ``burst_tokens``: the tokens of the step that evaluated the end of its prompt when that step ended other
-requests' prompts too (a burst of agents evaluated together), else 0. Every figure is at least 0.
+    started; ``burst_tokens``: the tokens of the step that evaluated the end of its prompt when that step ended
+    other requests' prompts too (a burst of agents evaluated together), else 0. Every figure is at least 0.
     """
 
     input_tokens: int

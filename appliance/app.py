@@ -212,10 +212,10 @@ def freeze_startup_objects() -> None:
     """Move every object alive once the appliance is up (modules, settings, the application itself) out of the
     garbage collector's reach (:func:`gc.freeze`: no collection first, it is O(1)): they live as long as the
     process, and each full collection walked them all. Measured (12x768 model, 8 agents a burst): full
-    collections of 28-65 ms that found nothing to free, one of them right as a burst arrived, so the loop read the
-    other seven requests 70 ms after the first and its prompt was evaluated alone (their first tokens one whole
-    prefill later); frozen, 3 ms. :meth:`Appliance.stop` unfreezes them (an appliance run in a longer process, as
-    the tests do, is freed)."""
+    collections of 28-65 ms that found nothing to free, one of them right as a burst arrived, so the loop read six
+    of the other seven requests 115 ms after the first and its prompt was evaluated without them (their first
+    tokens one whole prefill later); frozen, 2.4-3.0 ms. :meth:`Appliance.stop` unfreezes them (an appliance run
+    in a longer process, as the tests do, is freed)."""
     gc.freeze()
 
 

@@ -32,7 +32,7 @@ GATHER_MIN_S = 0.001
 GATHER_SPAN_SHARE = 0.5
 """The longest a burst gathers from its opening, extensions included, as a share of the first prompt's expected
 evaluation time (a request that misses the step waits all of it). Half: eight starts that each park an idle
-conversation ran one after the other for 45-50 ms on the engine thread against a 116-138 ms prefill, and with a
+conversation ran one after the other for 48-68 ms on the engine thread against a 116-138 ms prefill, and with a
 quarter the last two or three missed the span (measured, 12x768 model, 64-token prompts)."""
 GATHER_SPAN_MAX_S = 0.080
 """The longest a burst gathers from its opening, extensions included."""

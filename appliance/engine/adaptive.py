@@ -153,7 +153,7 @@ class Tuner:
         self.floor = 0  # the pool the queue asked for (queue_demand): kept until floor_until requests were observed
         self.floor_until = 0
         self.ceiling = n_ctx  # the largest pool a growth may build now (limit)
-        self.burst = self.current.plan  # the plan bursts asked for last (kept while the window shows none)
+        self.burst = self.current.plan  # the plan bursts asked for last (kept while no burst figure is known)
 
     def initial(self) -> Tuning:
         """The tuning a model starts with (nothing profiled yet)."""
@@ -239,8 +239,7 @@ class Tuner:
             pool = min(tuning.resize_pool(pool, wanted), self.n_ctx)
             by_input = tuning.choose_plan(self.profile.percentiles("input_tokens").p90, settings.plan_boundaries,
                                           plan)
-            self.burst = tuning.burst_plan(self.burst_figure(), UBATCHES,
-                                           self.burst if self.burst != FIXED else tuning.PLANS[0])
+            self.burst = tuning.burst_plan(self.burst_figure(), UBATCHES, self.burst)
             plan = tuning.larger_plan(by_input, self.burst)
         pool = max(pool, min(live_cells, self.n_ctx), min(self.held_floor(), self.n_ctx))
         if pool > current.pool_cells:

@@ -550,8 +550,11 @@ class Slots:
     def _mark_burst(self, events: list[SampledToken]) -> None:
         """The requests whose prompts this step ended (their first token), when there are two or more: each is told
         the step's tokens (``burst_tokens``: the plan's micro-batch should hold such a step)."""
-        first = [self.requests[event.seq_id] for event in events
-                 if event.seq_id in self.requests and self.requests[event.seq_id].ttft is None]
+        first: list[Request] = []
+        for event in events:
+            request = self.requests.get(event.seq_id)
+            if request is not None and request.ttft is None:
+                first.append(request)
         if len(first) < 2:
             return
         for request in first:

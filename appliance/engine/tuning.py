@@ -159,6 +159,14 @@ def band(value: float, low: float, high: float) -> int:
     return 2
 
 
+def _check_hysteresis(margin: float, current: str | None) -> None:
+    """The margin and current plan :func:`choose_plan` and :func:`burst_plan` both take."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be at least 0 and below 1, got {margin}")
+    if current is not None and current not in PLANS:
+        raise ValueError(f"current must be one of {', '.join(PLANS)}, got {current!r}")
+
+
 def choose_plan(
     p90_input: float | None,
     boundaries: tuple[int, int],
@@ -176,10 +184,7 @@ def choose_plan(
     if not 1 <= small < large:
         raise ValueError(f"boundaries must be two token counts, at least 1 and the first below the second, got "
                          f"{boundaries}")
-    if not 0.0 <= margin < 1.0:
-        raise ValueError(f"margin must be at least 0 and below 1, got {margin}")
-    if current is not None and current not in PLANS:
-        raise ValueError(f"current must be one of {', '.join(PLANS)}, got {current!r}")
+    _check_hysteresis(margin, current)
     if p90_input is not None and p90_input < 0:
         raise ValueError(f"p90_input must be at least 0, got {p90_input}")
     if p90_input is None:
@@ -210,10 +215,7 @@ def burst_plan(p90_burst: float | None, ubatches: tuple[int, int, int], current:
     keeps the current plan, or "S" without one."""
     if len(ubatches) != len(PLANS) or not 1 <= ubatches[0] < ubatches[1] < ubatches[2]:
         raise ValueError(f"ubatches must be three rising micro-batch sizes, at least 1, got {ubatches}")
-    if not 0.0 <= margin < 1.0:
-        raise ValueError(f"margin must be at least 0 and below 1, got {margin}")
-    if current is not None and current not in PLANS:
-        raise ValueError(f"current must be one of {', '.join(PLANS)}, got {current!r}")
+    _check_hysteresis(margin, current)
     if p90_burst is not None and p90_burst < 0:
         raise ValueError(f"p90_burst must be at least 0, got {p90_burst}")
     if p90_burst is None:

@@ -12,9 +12,11 @@ import pytest
 import yaml
 
 from appliance.config.validate import parse_config
+from appliance.daemon import hostkv
 from appliance.daemon.adaptive import fitted
 from appliance.daemon.core import Daemon
 from appliance.daemon.devices import FakeDevice
+from appliance.daemon.diskkv import DiskTier
 from appliance.engine import tuning
 from appliance.engine.adaptive import Settings, Tuner, Tuning
 from appliance.engine.interface import Conversation
@@ -163,6 +165,54 @@ def test_the_daemon_does_not_grow_a_pool_past_what_its_conversations_leave_of_n_
     asyncio.run(scenario())
 
 
+def test_the_daemon_keeps_an_adaptive_pool_and_its_parked_states_within_n_ctx(tmp_path: Path,
+                                                                               wide_model: Path) -> None:
+    """Four agents of two 724-cell turns each hold more KV than the fixed strategy's n_ctx (5792 cells against 4096):
+    the pool holds some, the rest are parked, and the states past what the pool leaves of n_ctx go to the disk tier.
+    After every decode the pool and the host buffers together hold at most n_ctx cells' worth, and a state written to
+    disk comes back from it."""
+    async def scenario() -> None:
+        text = {"data_dir": str(tmp_path / "state"), "device": "fake:8GiB", "model_dirs": [str(wide_model.parent)],
+                "engine": {"warmup_runs": 0, "adaptive_sample_rate": 1, "adaptive_window_size": 8},
+                "models": [{"name": "m", "path": str(wide_model), "n_ctx": WIDE_N_CTX}]}
+        daemon = Daemon(parse_config(yaml.safe_dump(text), base_dir=tmp_path), FakeDevice(8 * 2**30), Engine(2))
+        daemon.attach_durability(None, DiskTier(tmp_path / "kv", 2**30))
+        prompt = " ".join(f"word{n % 97}" for n in range(250))
+        names = ("a", "b", "c", "d")
+        try:
+            for name in names:
+                await daemon.register(name, "m")
+            model = daemon.models["m"]
+            sources: list[str] = []
+            for turn in range(2):
+                for name in names:
+                    result = await daemon.decode(name, 4, prompt)
+                    assert result.generation.generated_tokens == 4
+                    sources.append(result.restored_from)
+                    while model.retuning is not None and not model.retuning.done():
+                        await model.retuning
+                    runtime = model.runtime
+                    assert runtime is not None
+                    host = daemon.snapshot()["host_kv"]["parked_bytes"]  # none before the first swap
+                    assert host <= (WIDE_N_CTX - runtime.pool_cells) * model.kv_bytes_per_token, (turn, name)
+            convs = [daemon.agents[name].conversation for name in names]
+            assert sum(len(conv.tokens) for conv in convs) > WIDE_N_CTX  # more than the fixed strategy's context
+            assert daemon.counters["disk_kv_spills"] > 0 and "disk" in sources  # spilled, then read back
+            assert daemon.counters["host_kv_drops"] == 0  # with a disk tier nothing is lost
+        finally:
+            await daemon.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_pool_cap_is_what_the_pool_leaves_of_n_ctx() -> None:
+    assert hostkv.pool_cap(16384, 8704, 36864) == 7680 * 36864
+    assert hostkv.pool_cap(4096, 4096, 8192) == 0 and hostkv.pool_cap(4096, 5000, 8192) == 0
+    assert hostkv.pool_cap(4096, 512, 0) == 0  # no state saved yet: nothing is held either
+    with pytest.raises(ValueError, match="n_ctx, pool_cells and bytes_per_token"):
+        hostkv.pool_cap(4096, -1, 8192)
+
+
 class CountingFits:
     """The daemon's side of :func:`~appliance.daemon.adaptive.fitted`: counts the host-KV fits it is asked for."""
 
@@ -174,7 +224,7 @@ class CountingFits:
         return ["dropped"]
 
 
-def test_a_switch_that_parks_nothing_skips_the_host_kv_fit_and_one_that_parks_fits_in_the_same_job() -> None:
+def test_a_move_fits_host_kv_in_the_same_job_and_no_move_skips_it() -> None:
     daemon = CountingFits()
     parked = [Conversation()]
 
@@ -182,5 +232,5 @@ def test_a_switch_that_parks_nothing_skips_the_host_kv_fit_and_one_that_parks_fi
         return result
 
     assert fitted(daemon, move, None) == (None, []) and daemon.fits == 0  # nothing changed
-    assert fitted(daemon, move, []) == ([], []) and daemon.fits == 0  # switched, host RAM as it was
-    assert fitted(daemon, move, parked) == (parked, ["dropped"]) and daemon.fits == 1
+    assert fitted(daemon, move, []) == ([], ["dropped"]) and daemon.fits == 1  # switched: the pool's cap moved
+    assert fitted(daemon, move, parked) == (parked, ["dropped"]) and daemon.fits == 2

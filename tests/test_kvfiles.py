@@ -4,6 +4,7 @@ budget evicts the least recently used, a failed write loses only that state."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -139,6 +140,23 @@ def test_a_bad_file_is_discarded_with_a_log_line(tmp_path: Path, caplog: pytest.
     assert not tier.path("a").exists()
     assert not tier.holds("a")
     assert "checksum mismatch" in caplog.text
+
+
+def test_discarding_an_agent_without_a_file_says_nothing_and_a_failed_delete_warns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = DiskTier(tmp_path / "kv", budget=10**8)
+    with caplog.at_level(logging.INFO, logger="appliance.daemon.diskkv"):
+        tier.discard("never-written", None)  # an agent that never spilled unregisters
+        assert caplog.records == []
+        tier.write("a", VALID, TOKENS, STATE, last_used=0.0)
+        tier.discard("a", "unregistered")
+        assert not tier.path("a").exists() and not tier.holds("a")
+        assert [r.getMessage() for r in caplog.records] == ["disk KV: agent a's state deleted (unregistered)"]
+        caplog.clear()
+        tier.path("b").mkdir(parents=True)  # a folder where the file would be: the delete fails
+        tier.discard("b", None)
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "disk KV: cannot delete" in caplog.text
 
 
 def test_start_up_keeps_the_restored_agents_files_and_deletes_orphans_and_temporaries(tmp_path: Path) -> None:

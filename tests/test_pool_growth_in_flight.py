@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import tracemalloc
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -104,6 +106,37 @@ def test_requests_in_flight_go_on_in_the_grown_pool_with_the_same_tokens(tiny_mo
         conv = requests[0].conv
         assert runtime.slots.holds(conv) and conv.n_evaluated == len(conv.tokens) - 1  # its cells came along
         assert runtime.generate(conv, " and then", 4).generated_tokens == 4
+    finally:
+        runtime.close()
+
+
+def test_a_switch_with_carry_holds_one_lifted_state_in_host_ram_at_a_time(tiny_model: Path) -> None:
+    """The growth's ceiling counts one conversation's state in transit (``largest``): the requests in flight are
+    lifted and landed one after the other, and each one's host copy is gone before the next one is lifted."""
+    runtime = runtime_of(tiny_model, SMALL)
+    try:
+        requests, _ = start_all(runtime)
+        for _ in range(3):
+            runtime.step()
+        old = runtime.context
+        assert old is not None
+        lift = old.lift
+        alive: list[weakref.ref[Any]] = []
+        seen: list[int] = []
+
+        def watched_lift(seq_id: int) -> Any:
+            seen.append(sum(ref() is not None for ref in alive))  # lifted states still held as this one starts
+            lifted = lift(seq_id)
+            alive.append(weakref.ref(lifted))
+            return lifted
+
+        old.lift = watched_lift  # type: ignore[method-assign]
+        runtime.prepare(Tuning(GROWN, "S", 1))
+        assert runtime.switch(carry=True) == []
+        assert len(seen) == len(JOBS) and seen == [0] * len(JOBS)
+        assert all(ref() is None for ref in alive)
+        run_out(runtime, requests)
+        assert all(request.error is None for request in requests)
     finally:
         runtime.close()
 

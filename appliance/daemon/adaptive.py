@@ -157,28 +157,29 @@ def warm_up_run(runtime: Any, tokens: int) -> Any:
 def fitted(daemon: Any, move: Callable[..., list[Conversation] | None], *args: Any,
            **kwargs: Any) -> tuple[list[Conversation] | None, list[str]]:
     """On the engine thread: ``move`` (a context switch or rebuild, which may park conversations in host RAM), then
-    the host KV fitted to its budget in the same job (``daemon.fit_host_kv``), so that nothing reads the parked
-    states over ``host_kv_budget`` between the two. Returns what ``move`` returned (None: nothing changed) and the
-    agents whose parked state was dropped."""
+    the host KV fitted in the same job (``daemon.fit_host_kv``: to ``host_kv_budget``, and to what the new pool
+    leaves of ``n_ctx``), so that nothing reads the parked states over either between the two. Returns what ``move``
+    returned (None: nothing changed) and the agents whose parked state was dropped."""
     parked = move(*args, **kwargs)
-    if not parked:  # nothing changed, or nothing parked: host RAM holds what it held
+    if parked is None:  # nothing changed: host RAM holds what it held, beside the same pool
         return parked, []
     return parked, daemon.fit_host_kv()
 
 
-
-def rebuilt(daemon: Any, runtime: Any, wanted: Tuning, *, carry: bool) -> tuple[list[Conversation] | None, list[str]]:
+def rebuilt(daemon: Any, model: Model, runtime: Any, wanted: Tuning, *,
+            carry: bool) -> tuple[list[Conversation] | None, list[str]]:
     """On the engine thread: ``runtime.rebuild`` (:func:`fitted`), host RAM first made room in for the states of the
-    idle conversations it parks (their exact sizes), so that the parked states never pass ``host_kv_budget``, not
-    even between the park and the fit."""
+    idle conversations it parks (their exact sizes), so that the parked states never pass ``host_kv_budget`` nor
+    ``model``'s share of ``n_ctx``, not even between the park and the fit."""
     slots = runtime.slots
     dropped: list[str] = []
     if runtime.context is not None and (carry or not slots.busy):
         idle = [seq_id for seq_id in list(slots.holders) if seq_id not in slots.requests]
         reserve = sum(slots.context.state_size(seq_id) for seq_id in idle)
-        dropped = daemon.fit_host_kv(reserve)
+        dropped = daemon.fit_host_kv(reserve, model)
     parked, more = fitted(daemon, runtime.rebuild, wanted, carry=carry)
     return parked, dropped + more
+
 
 class AdaptiveLoop:
     """Samples, decides and applies for every model of ``daemon`` (module docstring). Event loop only."""
@@ -496,7 +497,7 @@ class AdaptiveLoop:
                     return False
                 try:
                     started = time.perf_counter()
-                    parked, dropped = await daemon.engine.call(rebuilt, daemon, runtime, wanted, carry=drain,
+                    parked, dropped = await daemon.engine.call(rebuilt, daemon, model, runtime, wanted, carry=drain,
                                                                queue=("tune", model.key))
                 except BaseException:
                     daemon.ledger.release(key)

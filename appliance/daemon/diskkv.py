@@ -165,13 +165,15 @@ class DiskTier:
         return state, n_tokens
 
     def discard(self, key: str, reason: str | None) -> None:
+        """Delete ``key``'s file (none there: nothing to say); ``reason`` is logged when it is not None."""
         self.files.pop(key, None)
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                self.path(key).unlink()
-            except OSError as exc:
-                log.warning("disk KV: cannot delete %s: %s", self.path(key), exc)
-                return
+        try:
+            self.path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("disk KV: cannot delete %s: %s", self.path(key), exc)
+            return
         if reason is not None:
             log.info("disk KV: agent %s's state deleted (%s)", key, reason)
 

@@ -15,6 +15,11 @@ saved state. Nothing is refused, so ``HOST_KV_DENY`` is not raised by this polic
 (``host_kv`` in STATUS and health), and the decode that re-evaluates says so (``DecodeResult.rebuilt``). So the
 bytes held never exceed the budget, except during a model's first swap (no estimate yet), when the state it parks
 may overshoot until the check after it.
+
+A model whose live context is an adaptive pool has a second, tighter bound on its own agents' buffers
+(:func:`pool_cap`): its pool and its parked states together hold no more KV cache than the fixed strategy's one
+context of ``n_ctx`` cells, so that parking in host RAM never makes the adaptive engine's memory pass the fixed
+strategy's. The same order lets go of what passes it (to disk first, where there is a disk tier).
 """
 
 from __future__ import annotations
@@ -65,6 +70,17 @@ def parked_estimate(bytes_per_token: int, n_tokens: int, reused: int) -> int:
 def per_token(nbytes: int, n_tokens: int) -> int:
     """The bytes-per-token ratio of one saved state, rounded up (0 for an empty one)."""
     return -(-nbytes // n_tokens) if n_tokens > 0 else 0
+
+
+def pool_cap(n_ctx: int, pool_cells: int, bytes_per_token: int) -> int:
+    """The most host RAM the parked states of a model whose live context is an adaptive pool of ``pool_cells``
+    cells may hold: the cells of the fixed strategy's context (``n_ctx``) that the pool does not take, at
+    ``bytes_per_token`` each (the largest ratio its saved states showed), so that the pool and its parked states
+    together never hold more KV cache than the fixed strategy preallocates."""
+    if min(n_ctx, pool_cells, bytes_per_token) < 0:
+        raise ValueError(f"n_ctx, pool_cells and bytes_per_token must be at least 0, got {n_ctx}, {pool_cells}, "
+                         f"{bytes_per_token}")
+    return max(0, n_ctx - pool_cells) * bytes_per_token
 
 
 def held_bytes(states: Iterable[HeldState]) -> int:

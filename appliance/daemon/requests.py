@@ -104,6 +104,21 @@ def steps(runtime: Any) -> None:
         runtime.step()
 
 
+def held_states(agents: list[Agent], parking: Conversation | None) -> list[hostkv.HeldState]:
+    """The host buffers of ``agents`` as the budget sees them, but that of the conversation being parked (its
+    reserve stands for it)."""
+    states = [agent.held() for agent in agents if agent.conversation is not parking]
+    return [state for state in states if state is not None]
+
+
+def bytes_per_token(model: Model, agents: list[Agent]) -> int:
+    """The largest bytes-per-token ratio of ``model``'s saved states: its swaps' (``kv_bytes_per_token``) and that
+    of every state its ``agents`` hold in host RAM now (one read back from disk was not saved by this process)."""
+    ratios = [hostkv.per_token(agent.conversation.nbytes, agent.conversation.n_evaluated) for agent in agents
+              if agent.conversation.where == "host"]
+    return max([model.kv_bytes_per_token, *ratios])
+
+
 async def gathered(model: Model) -> None:
     """Wait until the model's burst window (:func:`gathers`) is over, extensions and the starts still queued
     within its span included (:func:`~appliance.daemon.burst.gather_wait`)."""
@@ -359,7 +374,8 @@ class Requests(DaemonBase):
             def before_park(parking: Conversation, state_bytes: int) -> None:  # room in host RAM for its state
                 reserve = max(state_bytes, hostkv.parked_estimate(model.kv_bytes_per_token, parking.n_evaluated,
                                                                   buffer_bytes(parking)))
-                dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv))
+                dropped.extend(self._fit_host_kv(agents, reserve=reserve, parking=parking, attaching=conv,
+                                                 model=model))
 
             request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
                                     on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
@@ -584,25 +600,45 @@ class Requests(DaemonBase):
         configured = self.config.host_kv_budget
         return hostkv.auto_budget(self.physical_memory) if configured is None else configured
 
-    def fit_host_kv(self, reserve: int = 0) -> list[str]:
+    def fit_host_kv(self, reserve: int = 0, model: Model | None = None) -> list[str]:
         """:meth:`_fit_host_kv` for every agent, after the adaptive loop parked some, or before, ``reserve`` bytes
-        kept free for the states it is about to park (engine thread)."""
-        return self._fit_host_kv(list(self.agents.copy().values()), reserve=reserve)
+        kept free for the states it is about to park from ``model``'s context (engine thread)."""
+        return self._fit_host_kv(list(self.agents.copy().values()), reserve=reserve, model=model)
 
     def _fit_host_kv(self, agents: list[Agent], *, reserve: int = 0, parking: Conversation | None = None,
-                     attaching: Conversation | None = None) -> list[str]:
-        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`): a parked
-        state goes to the disk tier when there is one (:meth:`spill`), else it is dropped; returns the agents whose
-        parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the
-        ``parking`` conversation (its own buffer counts in them), and the ``attaching`` one goes last. Runs on the
-        engine thread, the only one that moves KV state, so no swap races a drop."""
+                     attaching: Conversation | None = None, model: Model | None = None) -> list[str]:
+        """Free host KV buffers until ``agents`` fit in the budget (policy: :mod:`appliance.daemon.hostkv`), and each
+        adaptive pool's agents in what its pool leaves of ``n_ctx`` (:func:`~appliance.daemon.hostkv.pool_cap`): a
+        parked state goes to the disk tier when there is one (:meth:`spill`), else it is dropped; returns the agents
+        whose parked state was dropped. Before a swap: ``reserve`` bytes are kept free for the ``parking``
+        conversation of ``model``'s context (its own buffer counts in them), and the ``attaching`` one goes last.
+        Runs on the engine thread, the only one that moves KV state, so no swap races a drop."""
         budget = self.host_kv_budget
-        held = [state for state in (agent.held() for agent in agents if agent.conversation is not parking)
-                if state is not None]
         by_id = {agent.id: agent for agent in agents}
         last = frozenset(agent.id for agent in agents if agent.conversation is attaching)
+        held = held_states(agents, parking)
+        keys = hostkv.to_drop(held, max(0, budget - reserve), last)
+        dropped = self._let_go(keys, by_id, attaching, f"budget {budget} bytes", hostkv.held_bytes(held))
+        if not self.config.engine.adaptive:
+            return dropped
+        for pooled in {id(agent.model): agent.model for agent in agents}.values():
+            runtime = pooled.runtime
+            if runtime is None or runtime.pool_cells < 1:
+                continue
+            ours = [agent for agent in agents if agent.model is pooled]
+            cap = hostkv.pool_cap(pooled.spec.n_ctx, runtime.pool_cells, bytes_per_token(pooled, ours))
+            held = held_states(ours, parking)
+            keys = hostkv.to_drop(held, max(0, cap - (reserve if pooled is model else 0)), last)
+            why = f"model {pooled.key}'s {runtime.pool_cells}-cell pool leaves {cap} bytes of n_ctx"
+            dropped += self._let_go(keys, by_id, attaching, why, hostkv.held_bytes(held))
+        return dropped
+
+    def _let_go(self, keys: list[str], by_id: dict[str, Agent], attaching: Conversation | None, limit: str,
+                held_before: int) -> list[str]:
+        """Free the host buffers of the agents ``keys`` names (:meth:`_fit_host_kv`): a reuse buffer goes, a parked
+        state goes to disk or is dropped; ``limit`` says which bound they passed. Returns the dropped agents."""
         dropped: list[str] = []
-        for key in hostkv.to_drop(held, max(0, budget - reserve), last):
+        for key in keys:
             conv = by_id[key].conversation
             nbytes = buffer_bytes(conv)
             if conv.where != "host":
@@ -614,14 +650,12 @@ class Requests(DaemonBase):
                 # throwing away a state just read from disk and re-evaluating it.
                 continue
             if conv is not attaching and self.spill(by_id[key]):
-                log.info("host KV: agent %s's parked state (%d bytes) written to disk (host_kv_budget %d bytes)", key,
-                         nbytes, budget)
+                log.info("host KV: agent %s's parked state (%d bytes) written to disk (%s)", key, nbytes, limit)
                 continue
             forget_parked(conv)
             dropped.append(key)
-            log.info("host KV: dropped agent %s's parked state (%d bytes; budget %d bytes, %d held before): "
-                     "its next decode re-evaluates its %d tokens", key, nbytes, budget, hostkv.held_bytes(held),
-                     len(conv.tokens))
+            log.info("host KV: dropped agent %s's parked state (%d bytes; %s, %d held before): its next decode "
+                     "re-evaluates its %d tokens", key, nbytes, limit, held_before, len(conv.tokens))
         return dropped
 
     def host_kv(self) -> dict[str, int]:

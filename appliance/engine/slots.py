@@ -472,13 +472,18 @@ class Slots:
         del buffer  # before a lifted request's state takes its place in host RAM
         old, self.context = self.context, context
         for seq_id in list(self.requests):  # one at a time: host RAM holds one sequence's state at once
-            try:
-                lifted = old.lift(seq_id)
-            except Exception as exc:
-                self.abandon({seq_id: None}, exc)
-                continue
-            self.land_requests({seq_id: lifted})
+            self._carry(old, seq_id)
         return parked
+
+    def _carry(self, old: SequenceContext, seq_id: int) -> None:
+        """Lift request ``seq_id``'s sequence out of ``old`` and land it in the live context (:meth:`move_to`). Its
+        host copy goes when this returns, before the next one is lifted."""
+        try:
+            lifted = old.lift(seq_id)
+        except Exception as exc:
+            self.abandon({seq_id: None}, exc)
+            return
+        self.land_requests({seq_id: lifted})
 
     def _borrow(self, seq_id: int, tokens: list[int], request: Request) -> int:
         """Fill the empty ``seq_id`` with the longest prefix of ``tokens`` that another live sequence or a parked

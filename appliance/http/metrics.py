@@ -307,7 +307,7 @@ class DaemonCollector(Collector):
             restored.add_metric([where], counters[f"restored_from_{where}"])
         yield restored
         yield counter("appliance_disk_kv_spills", "Parked KV states written to disk because host_kv_budget was "
-                      "full.", counters["disk_kv_spills"])
+                      "full, or an adaptive pool left no more of n_ctx.", counters["disk_kv_spills"])
         durability = daemon.durability()
         disk = durability.get("disk_kv")
         if disk is not None:

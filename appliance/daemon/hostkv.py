@@ -17,9 +17,10 @@ bytes held never exceed the budget, except during a model's first swap (no estim
 may overshoot until the check after it.
 
 A model whose live context is an adaptive pool has a second, tighter bound on its own agents' buffers
-(:func:`pool_cap`): its pool and its parked states together hold no more KV cache than the fixed strategy's one
-context of ``n_ctx`` cells, so that parking in host RAM never makes the adaptive engine's memory pass the fixed
-strategy's. The same order lets go of what passes it (to disk first, where there is a disk tier).
+(:func:`pool_cap`): its pool and its parked states together hold no more KV cache than the fixed strategy would
+(its one context of ``n_ctx`` cells, and what it parks of conversations that outgrow it), so that parking in host
+RAM never makes the adaptive engine's memory pass the fixed strategy's. The same order lets go of what passes it
+(to disk first, where there is a disk tier).
 """
 
 from __future__ import annotations
@@ -72,15 +73,16 @@ def per_token(nbytes: int, n_tokens: int) -> int:
     return -(-nbytes // n_tokens) if n_tokens > 0 else 0
 
 
-def pool_cap(n_ctx: int, pool_cells: int, bytes_per_token: int) -> int:
+def pool_cap(n_ctx: int, pool_cells: int, conversation_cells: int, bytes_per_token: int) -> int:
     """The most host RAM the parked states of a model whose live context is an adaptive pool of ``pool_cells``
-    cells may hold: the cells of the fixed strategy's context (``n_ctx``) that the pool does not take, at
-    ``bytes_per_token`` each (the largest ratio its saved states showed), so that the pool and its parked states
-    together never hold more KV cache than the fixed strategy preallocates."""
-    if min(n_ctx, pool_cells, bytes_per_token) < 0:
-        raise ValueError(f"n_ctx, pool_cells and bytes_per_token must be at least 0, got {n_ctx}, {pool_cells}, "
-                         f"{bytes_per_token}")
-    return max(0, n_ctx - pool_cells) * bytes_per_token
+    cells may hold, at ``bytes_per_token`` a cell (the largest ratio its saved states showed): the cells of the
+    fixed strategy's context (``n_ctx``) that the pool does not take, plus what the fixed strategy would park
+    itself (its conversations' ``conversation_cells`` past ``n_ctx``). So the pool and its parked states together
+    never hold more KV cache than the fixed strategy would, one context and its parked states."""
+    if min(n_ctx, pool_cells, conversation_cells, bytes_per_token) < 0:
+        raise ValueError(f"n_ctx, pool_cells, conversation_cells and bytes_per_token must be at least 0, got "
+                         f"{n_ctx}, {pool_cells}, {conversation_cells}, {bytes_per_token}")
+    return (max(0, n_ctx - pool_cells) + max(0, conversation_cells - n_ctx)) * bytes_per_token
 
 
 def held_bytes(states: Iterable[HeldState]) -> int:

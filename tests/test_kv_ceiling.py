@@ -207,14 +207,20 @@ def test_the_daemon_keeps_an_adaptive_pool_and_its_parked_states_within_n_ctx(tm
 
 
 def test_the_pool_cap_is_what_the_pool_leaves_of_n_ctx_and_what_the_fixed_strategy_would_park() -> None:
-    assert hostkv.pool_cap(16384, 8704, 13800, 36864) == 7680 * 36864
-    assert hostkv.pool_cap(4096, 4096, 4000, 8192) == 0 and hostkv.pool_cap(4096, 5000, 0, 8192) == 0
-    # Conversations past n_ctx: the fixed strategy would park those cells too, and so may the adaptive one.
-    assert hostkv.pool_cap(4096, 1024, 6000, 8192) == (3072 + 1904) * 8192
-    assert hostkv.pool_cap(4096, 4096, 6000, 8192) == 1904 * 8192
-    assert hostkv.pool_cap(4096, 512, 0, 0) == 0  # no state saved yet: nothing is held either
-    with pytest.raises(ValueError, match="n_ctx, pool_cells, conversation_cells and bytes_per_token"):
-        hostkv.pool_cap(4096, -1, 0, 8192)
+    four = [4000, 3500, 3300, 3000]  # 13,800 cells: the fixed strategy's 16,384 hold them all
+    assert hostkv.pool_cap(16384, 8704, four, 4, 36864) == 7680 * 36864
+    assert hostkv.pool_cap(4096, 4096, [2000, 2000], 4, 8192) == 0 and hostkv.pool_cap(4096, 5000, [], 4, 8192) == 0
+    # Past n_ctx: the fixed strategy parks what its context cannot hold, and so may the adaptive one.
+    assert hostkv.pool_cap(4096, 1024, [3000, 3000], 4, 8192) == (3072 + 1904) * 8192
+    assert hostkv.pool_cap(4096, 4096, [3000, 3000], 4, 8192) == 1904 * 8192
+    # Past its sequences: with one live slot the fixed strategy parks all but one conversation.
+    assert hostkv.pool_cap(256, 256, [20, 30, 25], 1, 100) == 45 * 100
+    assert hostkv.pool_cap(256, 128, [20, 30, 25], 2, 100) == (128 + 20) * 100
+    assert hostkv.pool_cap(4096, 512, [], 4, 0) == 0  # no state saved yet: nothing is held either
+    with pytest.raises(ValueError, match="live_slots at least 1"):
+        hostkv.pool_cap(4096, -1, [], 4, 8192)
+    with pytest.raises(ValueError, match="live_slots at least 1"):
+        hostkv.pool_cap(4096, 512, [10], 0, 8192)
 
 
 class CountingFits:

@@ -18,14 +18,14 @@ may overshoot until the check after it.
 
 A model whose live context is an adaptive pool has a second, tighter bound on its own agents' buffers
 (:func:`pool_cap`): its pool and its parked states together hold no more KV cache than the fixed strategy would
-(its one context of ``n_ctx`` cells, and what it parks of conversations that outgrow it), so that parking in host
-RAM never makes the adaptive engine's memory pass the fixed strategy's. The same order lets go of what passes it
-(to disk first, where there is a disk tier).
+(its one context of ``n_ctx`` cells, and the conversations that do not fit in its sequences or its cells, parked),
+so that parking in host RAM never makes the adaptive engine's memory pass the fixed strategy's. The same order lets
+go of what passes it (to disk first, where there is a disk tier).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 AUTO_SHARE = 4
@@ -73,16 +73,19 @@ def per_token(nbytes: int, n_tokens: int) -> int:
     return -(-nbytes // n_tokens) if n_tokens > 0 else 0
 
 
-def pool_cap(n_ctx: int, pool_cells: int, conversation_cells: int, bytes_per_token: int) -> int:
+def pool_cap(n_ctx: int, pool_cells: int, conversations: Sequence[int], live_slots: int, bytes_per_token: int) -> int:
     """The most host RAM the parked states of a model whose live context is an adaptive pool of ``pool_cells``
     cells may hold, at ``bytes_per_token`` a cell (the largest ratio its saved states showed): the cells of the
-    fixed strategy's context (``n_ctx``) that the pool does not take, plus what the fixed strategy would park
-    itself (its conversations' ``conversation_cells`` past ``n_ctx``). So the pool and its parked states together
-    never hold more KV cache than the fixed strategy would, one context and its parked states."""
-    if min(n_ctx, pool_cells, conversation_cells, bytes_per_token) < 0:
-        raise ValueError(f"n_ctx, pool_cells, conversation_cells and bytes_per_token must be at least 0, got "
-                         f"{n_ctx}, {pool_cells}, {conversation_cells}, {bytes_per_token}")
-    return (max(0, n_ctx - pool_cells) + max(0, conversation_cells - n_ctx)) * bytes_per_token
+    fixed strategy's context (``n_ctx``) that the pool does not take, plus the cells the fixed strategy would park
+    at least of the model's ``conversations`` (their cells, wherever they are): all but the ``live_slots`` largest,
+    within ``n_ctx``, that its context could hold. So the pool and its parked states together never hold more KV
+    cache than the fixed strategy would, one context and its parked states."""
+    if min(n_ctx, pool_cells, bytes_per_token, *conversations) < 0 or live_slots < 1:
+        raise ValueError(f"n_ctx, pool_cells, bytes_per_token and the conversations' cells must be at least 0 and "
+                         f"live_slots at least 1, got {n_ctx}, {pool_cells}, {bytes_per_token}, {list(conversations)}, "
+                         f"{live_slots}")
+    live = min(n_ctx, sum(sorted(conversations, reverse=True)[:live_slots]))
+    return (max(0, n_ctx - pool_cells) + sum(conversations) - live) * bytes_per_token
 
 
 def held_bytes(states: Iterable[HeldState]) -> int:

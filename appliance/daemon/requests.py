@@ -119,11 +119,11 @@ def bytes_per_token(model: Model, agents: list[Agent]) -> int:
     return max([model.kv_bytes_per_token, *ratios])
 
 
-def conversation_cells(agents: list[Agent]) -> int:
-    """The KV cells of ``agents``' conversations wherever they are (live, parked or on disk): what the fixed
-    strategy would hold of them, in its context or parked."""
+def conversation_cells(agents: list[Agent]) -> list[int]:
+    """The KV cells of each of ``agents``' conversations that holds some, wherever they are (live, parked or on
+    disk): what the fixed strategy would hold of them, in its context or parked."""
     kept = ("device", "host", "disk")
-    return sum(agent.conversation.n_evaluated for agent in agents if agent.conversation.where in kept)
+    return [agent.conversation.n_evaluated for agent in agents if agent.conversation.where in kept]
 
 
 async def gathered(model: Model) -> None:
@@ -634,7 +634,7 @@ class Requests(DaemonBase):
                 continue
             ours = [agent for agent in agents if agent.model is pooled]
             cap = hostkv.pool_cap(pooled.spec.n_ctx, runtime.pool_cells, conversation_cells(ours),
-                                  bytes_per_token(pooled, ours))
+                                  runtime.live_slots, bytes_per_token(pooled, ours))
             held = held_states(ours, parking)
             keys = hostkv.to_drop(held, max(0, cap - (reserve if pooled is model else 0)), last)
             why = f"model {pooled.key}'s {runtime.pool_cells}-cell pool leaves {cap} bytes of n_ctx"

@@ -637,7 +637,7 @@ class Requests(DaemonBase):
                                   runtime.live_slots, bytes_per_token(pooled, ours))
             held = held_states(ours, parking)
             keys = hostkv.to_drop(held, max(0, cap - (reserve if pooled is model else 0)), last)
-            why = f"model {pooled.key}'s {runtime.pool_cells}-cell pool leaves {cap} bytes of n_ctx"
+            why = f"model {pooled.key}'s share beside its {runtime.pool_cells}-cell pool: {cap} bytes"
             dropped += self._let_go(keys, by_id, attaching, why, hostkv.held_bytes(held))
         return dropped
 

@@ -187,7 +187,12 @@ def batched_bench(binary: Path, model: Path, threads: int, n_prompt: int = 64, n
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exited with {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-    return parse_batched_bench(done.stdout)
+    rows = parse_batched_bench(done.stdout)
+    missing = sorted(set(n_parallel) - {int(row["n_parallel"]) for row in rows})
+    if missing:  # it once printed the first row only and exited 0
+        raise RuntimeError(f"llama-batched-bench printed no row for {missing} parallel sequences:\n"
+                           f"{(done.stdout + done.stderr)[-3000:]}")
+    return rows
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -36,6 +36,19 @@ def test_parse_batched_bench_reads_every_row() -> None:
         peer.parse_batched_bench("main: nothing\n")
 
 
+def test_batched_bench_refuses_output_missing_a_requested_row(tmp_path: Path) -> None:
+    """A run that exits 0 with fewer rows than asked (seen once: the 1-sequence row only) is an error that shows
+    the output, not a shorter table."""
+    binary = tmp_path / "llama-batched-bench"
+    binary.write_text(f"#!/bin/sh\ncat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n")
+    os.chmod(binary, 0o755)
+    model = tmp_path / "model.gguf"
+    rows = peer.batched_bench(binary, model, threads=2, n_parallel=(1, 4))
+    assert [r["n_parallel"] for r in rows] == [1, 4]
+    with pytest.raises(RuntimeError, match=r"no row for \[2, 8\] parallel sequences:\n(.|\n)*S_TG t/s"):
+        peer.batched_bench(binary, model, threads=2, n_parallel=(1, 2, 4, 8))
+
+
 def test_peer_build_pins_the_projects_llama_cpp_python_and_returns_a_cached_build_at_once(tmp_path: Path) -> None:
     assert peer.pinned_version() == llama_cpp.__version__
     assert peer.default_cache().name == f"llama.cpp-{llama_cpp.__version__}"

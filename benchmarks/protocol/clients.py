@@ -141,10 +141,14 @@ class Http(Contender):
 
     kind = "http"
 
-    def __init__(self, name: str, label: str, base_url: str, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, label: str, base_url: str, extra: dict[str, Any] | None = None,
+                 usage_in_stream: bool = False) -> None:
         import httpx
 
         self.name, self.label, self.extra = name, label, extra or {}
+        # a server that sends the stream's usage: its count of tokens (a late reader may get two tokens in one
+        # chunk); else every text chunk counts as one token
+        self.stream_extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage_in_stream else {}
         self.http = httpx.Client(base_url=base_url, timeout=60)
 
     def one(self, prompt: str) -> Sample:
@@ -158,8 +162,10 @@ class Http(Contender):
     def stream(self, prompt: str, n: int) -> Sample:
         parts: list[str] = []
         ttft = None
+        usage: int | None = None
+        body = {**http_request(prompt, n, True), **self.extra, **self.stream_extra}
         start = time.perf_counter()
-        with self.http.stream("POST", "/v1/completions", json={**http_request(prompt, n, True), **self.extra}) as r:
+        with self.http.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data:"):
@@ -167,14 +173,19 @@ class Http(Contender):
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                choice = (json.loads(data).get("choices") or [{}])[0]
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue  # the usage chunk
+                choice = chunk["choices"][0]
                 if choice.get("finish_reason") is not None and not choice.get("text"):
                     continue  # the closing chunk that only carries finish_reason
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 parts.append(choice.get("text") or "")
         elapsed = time.perf_counter() - start
-        return Sample(elapsed, "".join(parts), len(parts), ttft)
+        return Sample(elapsed, "".join(parts), len(parts) if usage is None else usage, ttft)
 
     def close(self) -> None:
         self.http.close()

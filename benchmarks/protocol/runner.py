@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             appliance_http_why = probe_appliance_http(f"http://127.0.0.1:{http_port}")
             if appliance_http_why is None:
                 paths.append(Http("http_appliance", "HTTP, the appliance's /v1/completions (httpx keep-alive)",
-                                  f"http://127.0.0.1:{http_port}", {"model": MODEL_NAME}))
+                                  f"http://127.0.0.1:{http_port}", {"model": MODEL_NAME}, usage_in_stream=True))
                 http_notes["appliance"] = "measured"
             else:
                 http_notes["appliance"] = f"skipped: {appliance_http_why}"

@@ -44,6 +44,18 @@ def test_reservations_returns_a_copy() -> None:
     assert ledger.reservations() == {"a": 10}
 
 
+def test_held_sums_the_given_keys_and_counts_absent_ones_as_nothing() -> None:
+    ledger = Ledger(100)
+    ledger.try_reserve("a", 10)
+    ledger.try_reserve("b", 25)
+    ledger.try_reserve("c", 40)
+    assert ledger.held(("a", "c", "never")) == 50
+    assert ledger.held(["b"]) == 25
+    assert ledger.held(()) == 0
+    ledger.release("c")
+    assert ledger.held(("a", "c")) == 10
+
+
 def test_refusal_changes_nothing_and_carries_exact_details() -> None:
     ledger = Ledger(1000)
     ledger.try_reserve("a", 600)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType, TracebackType
@@ -104,6 +104,13 @@ class Ledger:
         """A fresh ``{key: bytes}`` copy, in reservation order."""
         with self._lock:
             return {key: nbytes for key, (nbytes, _) in self._entries.items()}
+
+    def held(self, keys: Iterable[str]) -> int:
+        """The bytes reserved under ``keys`` together (a key without a reservation holds 0), read in one critical
+        section without copying the ledger (it runs at the end of every request)."""
+        with self._lock:
+            entries = self._entries
+            return sum(entries[key][0] for key in keys if key in entries)
 
     def snapshot(self) -> LedgerSnapshot:
         """Cap, allocated and reservations read together in one critical section."""

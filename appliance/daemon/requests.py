@@ -546,9 +546,8 @@ class Requests(DaemonBase):
 
     def model_bytes(self, model: Model) -> int:
         """The ledger bytes ``model`` holds now: weights, live context, a context being prepared, a cold one."""
-        held = self.ledger.reservations()
-        return sum(held.get(key, 0) for key in (model.key, context_key(model.key), next_key(model.key),
-                                                cold_key(model.key), embedding_key(model.key)))
+        return self.ledger.held((model.key, context_key(model.key), next_key(model.key), cold_key(model.key),
+                                 embedding_key(model.key)))
 
     async def _wait_for_wake(self, model: Model) -> None:
         """Wait until a request of ``model`` ends or its grown pool goes live (:meth:`_wake`)."""

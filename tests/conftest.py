@@ -28,6 +28,25 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose KV cache is large enough for RSS to show a resize: 4 layers x 512, 4096 cells = 32 MiB f16."""
+    from appliance.engine.tinymodel import write_tiny_model
+
+    path = tmp_path_factory.mktemp("adaptive") / "wide.gguf"
+    write_tiny_model(path, layers=4, dim=512, n_ctx_train=4096, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model: Path) -> Iterator[Any]:
+    """The tiny model's weights (:class:`~appliance.engine.batched.ModelWeights`), loaded once per module."""
+    from appliance.engine.batched import ModelWeights
+
+    with ModelWeights(tiny_model) as loaded:
+        yield loaded
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path, tiny_model: Path, tiny_model_b: Path) -> Path:
     """A model folder of this test's own holding both tiny models (``tiny.gguf``, ``tiny_b.gguf``); a test module

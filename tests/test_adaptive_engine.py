@@ -20,17 +20,8 @@ from appliance.engine import plans
 from appliance.engine.adaptive import FIXED, MIN_SAMPLES, CpuShare, Tuning, initial_plan
 from appliance.engine.interface import Conversation
 from appliance.engine.runtime import Engine, Runtime
-from appliance.engine.tinymodel import write_tiny_model
 
 N_CTX = 4096
-
-
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model whose KV cache is large enough for RSS to show a resize: 4 layers x 512, 4096 cells = 32 MiB f16."""
-    path = tmp_path_factory.mktemp("adaptive") / "wide.gguf"
-    write_tiny_model(path, layers=4, dim=512, n_ctx_train=N_CTX, seed=3)
-    return path
 
 
 def rss() -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,6 @@ THREADS = 2
 PROMPTS = ("Hello world the story", "once upon a time there was a model", "the water is hot",
            "What is this question about the data", "my mother said yes to the animal")
 LONG_PROMPT = " ".join(["the story of a model and its memory"] * 8)  # 73 tokens
-
-
-@pytest.fixture(scope="module")
-def weights(tiny_model: Path) -> Iterator[ModelWeights]:
-    with ModelWeights(tiny_model) as loaded:
-        yield loaded
 
 
 def flash_off(weights: ModelWeights, **params: Any) -> BatchedContext:

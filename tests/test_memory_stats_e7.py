@@ -89,6 +89,7 @@ def test_metrics_show_pools_threads_profile_percentiles_and_agent_kv_cells(tiny_
         assert samples["appliance_cold_pool_cells", model] == context["cold_cells"] == 0
         assert samples["appliance_cold_pool_bytes", model] == context["cold_bytes"] == 0
         assert samples["appliance_threads", model] == 1
+        assert samples["appliance_kv_streams", model] == context["kv_streams"] == 0  # one agent at a time: one pool
         summary = snapshot["profiles"]["tiny"]
         assert samples["appliance_profile_requests_sampled", model] == summary["sampled"] == 3
         assert samples["appliance_profile_window_requests", model] == 3

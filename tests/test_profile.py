@@ -39,6 +39,7 @@ def test_fields_are_the_sample_figures_in_order() -> None:
     assert FIELDS == (
         "input_tokens", "output_tokens", "prompt_evaluated", "ttft_s", "decode_s",
         "kv_cells_used", "kv_cells_peak", "live_sequences", "threads", "queue_length", "burst_tokens",
+        "kv_cells_need",
     )
 
 

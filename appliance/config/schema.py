@@ -680,9 +680,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engine.adaptive", BOOL, True,
-        "true: each model's live context follows its load profile (hot pool size, plan S/M/L, threads from the "
-        "CPU the process can get). false: the fixed strategy (the model's n_ctx preallocated, one plan, "
-        "`engine.threads` or the default count). A reload switches live.",
+        "true: each model's live context follows its load profile (hot pool size, split KV streams where requests "
+        "run together, plan S/M/L, threads from the CPU the process can get). false: the fixed strategy (the "
+        "model's n_ctx preallocated, one plan, `engine.threads` or the default count). A reload switches live.",
     ),
     Setting(
         "engine.live_contexts", AUTO_COUNT, "auto",

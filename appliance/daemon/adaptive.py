@@ -312,6 +312,7 @@ class AdaptiveLoop:
             threads=request.threads,
             queue_length=model.admission.waiting,
             burst_tokens=request.burst_tokens,
+            kv_cells_need=request.need,
         )
         if self.tuner(model).observe(sample):
             self.schedule(model)
@@ -323,6 +324,15 @@ class AdaptiveLoop:
             return
         log.info("model %s: requests wait for KV cells (%d needed in flight and waiting, pool %d): growing the pool",
                  model.key, demand, model.runtime.pool_cells)
+        self.schedule(model)
+
+    def short_of_streams(self, model: Model, wanted: int) -> None:
+        """Every stream of ``model``'s split context is busy and ``wanted`` requests want one (in flight and
+        waiting): more streams now when its tuner says so."""
+        if model.runtime is None or not self.tuner(model).stream_demand(wanted):
+            return
+        log.info("model %s: %d requests want a KV stream, the context has %d: more streams", model.key, wanted,
+                 model.runtime.tuning.streams)
         self.schedule(model)
 
     async def grow_for(self, model: Model, cells: int) -> bool:
@@ -337,7 +347,7 @@ class AdaptiveLoop:
         self.schedule(model)
         while model.retuning is not None and not model.retuning.done():
             await asyncio.gather(model.retuning, return_exceptions=True)
-        return model.runtime is runtime and runtime.pool_cells >= cells
+        return model.runtime is runtime and runtime.seq_cells >= cells
 
     def tick(self) -> None:
         """Read the CPU (every :data:`CPU_INTERVAL_S`) and move every loaded model's threads if their tuner says so."""
@@ -391,6 +401,7 @@ class AdaptiveLoop:
         if runtime is None or not runtime.has_context:
             return
         tuner = self.tuner(model)
+        tuner.splits = runtime.splits
         cells = kv_cells(runtime)
         if not threads_only:
             runtime.slots.keep_buffers = not tuner.settings.adaptive  # no second copy of a conversation in host RAM
@@ -401,8 +412,8 @@ class AdaptiveLoop:
             await self.daemon.engine.call(runtime.set_threads, wanted.threads, queue=("tune", model.key))
             log.debug("model %s: %d threads (CPU share %.0f%% of %d cores)", model.key, wanted.threads,
                      self.cpu.percent if self.cpu else 100.0, self.cores)
-        tuner.applied(Tuning(current.pool_cells, current.plan, wanted.threads))
-        if threads_only or (wanted.pool_cells, wanted.plan) == (current.pool_cells, current.plan):
+        tuner.applied(replace(current, threads=wanted.threads))
+        if threads_only or replace(wanted, threads=current.threads) == current:
             return
         if self.daemon.config.engine.async_switch:
             await self.switch(model, wanted)
@@ -417,7 +428,10 @@ class AdaptiveLoop:
         runtime = model.runtime
         if runtime is None:
             return False
-        grow = wanted.pool_cells > runtime.pool_cells
+        # A larger pool, or the other layout (split streams or one pool), takes the requests in flight with it when
+        # it holds them; any other waits until none is in flight.
+        changes = wanted.pool_cells > runtime.pool_cells or wanted.streams != runtime.tuning.streams
+        grow = changes and runtime.carries(wanted)
         if not tuning.builds_beside(runtime.pool_cells, wanted.pool_cells, model.spec.n_ctx,
                                     kv_cells(runtime).held):
             return await self.rebuild(model, wanted, drain=grow)
@@ -485,7 +499,7 @@ class AdaptiveLoop:
                     continue
                 floor = min(self.tuner(model).held_floor(), model.spec.n_ctx)  # more may wait now than at first
                 if floor > wanted.pool_cells:
-                    wanted = replace(wanted, pool_cells=floor)
+                    wanted = replace(wanted, pool_cells=floor, streams=0)  # a floor is one pool's demand
                     nbytes = self.context_bytes(model, wanted.pool_cells)
                 old = daemon.ledger.release(key)
                 try:
@@ -656,7 +670,8 @@ class AdaptiveLoop:
                     ttft_s=request.generation.ttft_s or 0.0,
                     decode_s=max(0.0, request.generation.elapsed_s - (request.generation.ttft_s or 0.0)),
                     kv_cells_used=request.need, kv_cells_peak=request.demand,
-                    live_sequences=request.live_sequences, threads=request.threads, queue_length=0))
+                    live_sequences=request.live_sequences, threads=request.threads, queue_length=0,
+                    kv_cells_need=request.need))
                 done += 1
             if done:
                 self.schedule(model)

@@ -31,6 +31,14 @@ class ShortOfCells:
     in_flight: int
 
 
+@dataclass(frozen=True)
+class ShortOfStreams:
+    """A start that waits because every KV stream of a split context with fewer streams than ``live_slots`` is busy:
+    ``in_flight`` requests hold them."""
+
+    in_flight: int
+
+
 class Admission:
     """Tickets waiting to start, one FIFO per key, keys served in turn."""
 

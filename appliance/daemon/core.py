@@ -483,6 +483,7 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
             records.append({"model": model.key, "slots": runtime.live_slots, "slots_used": len(runtime.live),
                             "requests": model.active, "kv_bytes": model.context_bytes,
                             "pool_cells": runtime.pool_cells, "pool_bytes": model.context_bytes,
+                            "kv_streams": tuning.streams,  # split KV streams; 0: one pool
                             "cold_cells": runtime.cold_cells, "cold_bytes": model.cold_bytes,
                             "plan": tuning.plan, "threads": tuning.threads,
                             "flash_attention": runtime.flash_attention,

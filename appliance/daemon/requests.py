@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 from appliance.daemon import burst, hostkv, offload, policy
-from appliance.daemon.admission import ShortOfCells
+from appliance.daemon.admission import ShortOfCells, ShortOfStreams
 from appliance.daemon.base import DaemonBase, finish, log
 from appliance.daemon.devices import process_bytes
 from appliance.daemon.model import (
@@ -386,10 +386,12 @@ class Requests(DaemonBase):
 
             request = runtime.begin(conv, prompt, n_tokens, sampling, on_token=on_token, cancelled=cancel.is_set,
                                     on_done=on_done, ephemeral=ephemeral, before_park=before_park, cold=cold)
-            if request is None and not cold and len(runtime.slots.requests) < runtime.live_slots:
+            if request is None and not cold and len(runtime.slots.requests) < runtime.sequences:
                 # A sequence was free: the cells are short (the pool's demand counts this request, AdaptiveLoop).
                 return ShortOfCells(runtime.slots.refused_need,
                                     sum(other.need for other in runtime.slots.requests.values()))
+            if request is None and not cold and runtime.sequences < runtime.live_slots:
+                return ShortOfStreams(len(runtime.slots.requests))  # a split context's streams are all busy
             if request is None or isinstance(request, ColdNeeded):
                 return request
             if request.evicted or request.restored:
@@ -512,7 +514,9 @@ class Requests(DaemonBase):
                     finally:
                         model.starting -= 1
                     short = request if isinstance(request, ShortOfCells) else None
-                    if request is not None and request is not WAIT_TURN and request is not DRAINING and short is None:
+                    streams = request if isinstance(request, ShortOfStreams) else None
+                    if request is not None and request is not WAIT_TURN and request is not DRAINING and short is None \
+                            and streams is None:
                         if not isinstance(request, ColdNeeded):  # its pool demand counts the cells still waiting
                             request.demand += model.admission.waiting_cells - model.admission.cells_of(ticket)
                         return request
@@ -523,6 +527,8 @@ class Requests(DaemonBase):
                         model.admission.short_of_cells(ticket, short.need, short.in_flight)
                     if model.admission.demand:  # blocked on cells: the queue's demand may grow the pool now
                         self.adaptive.blocked(model, model.admission.demand)
+                    if streams is not None:  # blocked on streams: more of them now
+                        self.adaptive.short_of_streams(model, streams.in_flight + model.admission.waiting)
                     if request is WAIT_TURN:
                         continue  # it never tried: try in its turn, which may be now
                     if request is DRAINING:
@@ -541,7 +547,7 @@ class Requests(DaemonBase):
         """Whether the queued ``ticket`` tries to start now: it is among the first waiting requests, one for each
         sequence free now (at least the head), so that requests let in together start before the same step."""
         runtime = model.runtime
-        free = 1 if runtime is None else runtime.live_slots - len(runtime.slots.requests)
+        free = 1 if runtime is None else runtime.sequences - len(runtime.slots.requests)
         return ticket in model.admission.turn(free)
 
     def model_bytes(self, model: Model) -> int:

@@ -9,6 +9,11 @@ functions of :mod:`appliance.engine.tuning`:
 * **hot pool** (E2): P90 of the requests' KV need (the cells the context had to hold for the request to run: its
   conversation, prompt and ``max_tokens``, plus the other requests in flight) x ``hot_pool_slack``, in steps of
   :data:`POOL_GRANULARITY` cells, never below what the live conversations hold, at most the model's ``n_ctx``;
+* **split KV streams** (E2): where two or more requests ran together (P90 of ``live_sequences``), that many
+  sequences each with a KV stream of its own (:meth:`Tuner.split_streams`), each holding P99 of the requests' own
+  claims (``kv_cells_need``) x ``hot_pool_slack``, when they fit where the pool may grow; requests waiting for a
+  stream raise the count at once (:meth:`Tuner.stream_demand`), a request longer than a stream brings one pool back
+  for a window (:meth:`Tuner.queue_demand`);
 * **plan** (E3): S, M or L by P90 input tokens and ``plan_boundaries``, or larger where the steps that evaluate
   several prompts at once (a burst of agents) need a larger micro-batch (P90 of ``burst_tokens``,
   :func:`~appliance.engine.tuning.burst_plan`; until :data:`MIN_SAMPLES` served requests were sampled the plan
@@ -63,11 +68,14 @@ PRESETS: dict[str, dict[str, int]] = {
 
 @dataclass(frozen=True)
 class Tuning:
-    """What a live context runs with: its hot pool's cells, its plan ("S", "M", "L" or "fixed") and threads."""
+    """What a live context runs with: its hot pool's cells, its plan ("S", "M", "L" or "fixed") and threads; with
+    ``streams`` (split KV streams) that many sequences, each a KV stream of its own, an equal share of the pool (0:
+    one pool of ``pool_cells`` shared by ``live_slots`` sequences)."""
 
     pool_cells: int
     plan: str
     threads: int
+    streams: int = 0
 
     def __post_init__(self) -> None:
         if self.pool_cells < 1:
@@ -76,6 +84,22 @@ class Tuning:
             raise ValueError(f"plan must be one of S, M, L, fixed, got {self.plan!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.streams < 0 or (self.streams and self.pool_cells % self.streams):
+            raise ValueError(f"streams must be 0 or divide pool_cells ({self.pool_cells}), got {self.streams}")
+        if self.streams and self.plan == FIXED:
+            raise ValueError("the fixed strategy's pool is one pool, not split streams")
+
+    @property
+    def split(self) -> bool:
+        return self.streams > 0
+
+    def sequences(self, live_slots: int) -> int:
+        """The sequences of a context built for this tuning in a model of ``live_slots``."""
+        return self.streams or live_slots
+
+    def seq_cells(self) -> int:
+        """The most cells one sequence may hold in a context built for this tuning."""
+        return self.pool_cells // self.streams if self.streams else self.pool_cells
 
 
 @dataclass(frozen=True)
@@ -154,6 +178,10 @@ class Tuner:
         self.floor_until = 0
         self.ceiling = n_ctx  # the largest pool a growth may build now (limit)
         self.burst = self.current.plan  # the plan bursts asked for last (kept while no burst figure is known)
+        self.unified_until = 0  # a request outgrew a split context's stream: unified until this many were observed
+        self.splits = True  # the model's contexts may be split KV streams (the daemon sets it from its runtime)
+        self.stream_floor = 0  # the streams requests waiting for one asked for (stream_demand), until:
+        self.stream_floor_until = 0
 
     def initial(self) -> Tuning:
         """The tuning a model starts with (nothing profiled yet)."""
@@ -175,13 +203,14 @@ class Tuner:
             for sample in old[-settings.window_size:]:
                 self.profile.seed(sample)
         switched = settings.adaptive != self.settings.adaptive
+        slots_changed = settings.live_slots != self.settings.live_slots
         self.settings = settings
         self.n_ctx = n_ctx
         if switched or not settings.adaptive:
             self.current = self.initial()
             self.burst = self.current.plan
-        elif self.current.pool_cells > n_ctx:
-            self.current = replace(self.current, pool_cells=n_ctx)
+        elif self.current.pool_cells > n_ctx or (self.current.split and slots_changed):
+            self.current = replace(self.current, pool_cells=min(self.current.pool_cells, n_ctx), streams=0)
 
     def observe(self, sample: RequestSample) -> bool:
         """Count a finished request; True when it was sampled (the pool and plan may change)."""
@@ -207,7 +236,13 @@ class Tuner:
         strategy is fixed."""
         if not self.settings.adaptive:
             return False
-        wanted = tuning.queue_pool_cells(demand, max(self.current.pool_cells, self.floor),
+        current = self.current.pool_cells
+        if self.current.split:  # cells run short only for a request longer than a stream: unified for a window
+            if demand <= self.current.seq_cells():
+                return False
+            self.unified_until = self.profile.observed + self.settings.window_size
+            current = 1
+        wanted = tuning.queue_pool_cells(demand, max(current, self.floor),
                                          self.settings.hot_pool_slack, granularity=POOL_GRANULARITY,
                                          maximum=min(self.n_ctx, max(self.ceiling, self.current.pool_cells)))
         if wanted is None:
@@ -244,12 +279,54 @@ class Tuner:
         pool = max(pool, min(live_cells, self.n_ctx), min(self.held_floor(), self.n_ctx))
         if pool > current.pool_cells:
             pool = max(current.pool_cells, min(pool, self.ceiling))
+        split = self.split_streams()
         threads = current.threads
         if settings.pinned_threads:
             threads = settings.fixed_threads
         elif cpu is not None:
             threads = choose_threads(cpu, settings.thread_idle_thresholds, self.usable_cores, threads)
+        if split is not None:
+            stream_cells, streams = split
+            return Tuning(stream_cells * streams, plan, threads, streams=streams)
         return Tuning(pool, plan, threads)
+
+    def split_streams(self) -> tuple[int, int] | None:
+        """The streams of a split context for the window's requests, as (cells of one stream, streams)
+        (:func:`~appliance.engine.tuning.split_streams`: a stream holds P99 of the requests' own claims, one for each
+        of the P90 requests that ran together, or more while requests wait for one: :meth:`stream_demand`), within
+        what a growth may build now and the model's ``n_ctx``; None for one pool: a model that cannot split, too few
+        samples (or none telling its claim), a request outgrew a stream less than ``window_size`` requests ago, a
+        queue floor is held (a unified pool's demand), or the streams would not fit."""
+        settings = self.settings
+        current = self.current
+        if not self.splits or len(self.profile) < MIN_SAMPLES or self.profile.observed < self.unified_until:
+            return None
+        if self.held_floor():
+            return None
+        need = self.profile.percentiles("kv_cells_need").p99
+        live = self.profile.percentiles("live_sequences").p90
+        if not need:  # samples that do not tell their own claim
+            return None
+        if self.profile.observed >= self.stream_floor_until:
+            self.stream_floor = 0
+        maximum = min(self.n_ctx, max(self.ceiling, current.pool_cells))
+        now = (current.seq_cells(), current.streams) if current.split else None
+        return tuning.split_streams(int(need), max(int(live or 0), self.stream_floor), settings.hot_pool_slack,
+                                    settings.live_slots, granularity=POOL_GRANULARITY, maximum=maximum, current=now)
+
+    def stream_demand(self, wanted: int) -> bool:
+        """Every stream of the split context is busy and ``wanted`` requests want one (in flight and waiting): True
+        when the context should have more streams (:meth:`decide` asks for them at once, and keeps them while the
+        next ``window_size`` requests are observed)."""
+        current = self.current
+        if not self.settings.adaptive or not current.split:
+            return False
+        wanted = min(wanted, self.settings.live_slots)
+        if wanted <= max(current.streams, self.stream_floor):
+            return False
+        self.stream_floor = wanted
+        self.stream_floor_until = self.profile.observed + self.settings.window_size
+        return True
 
     def burst_figure(self) -> int | None:
         """P90 of the window's ``burst_tokens`` (0 for a request whose prompt was evaluated alone); None until

@@ -4,7 +4,8 @@ The daemon's runtime (:mod:`appliance.engine.runtime`) is one :class:`ModelWeigh
 :class:`BatchedContext`, whose sequences :class:`~appliance.engine.slots.Slots` hands to conversations.
 
 * :class:`ModelWeights` is one ``llama_model``, loaded once; any number of contexts are built on it.
-* :class:`BatchedContext` is one ``llama_context`` holding up to ``n_seq_max`` sequences in a unified KV cache.
+* :class:`BatchedContext` is one ``llama_context`` holding up to ``n_seq_max`` sequences in a unified KV cache (or,
+  split, in a KV stream each).
   Sequences join (:meth:`~BatchedContext.add`) and leave (:meth:`~BatchedContext.cancel`) between steps; each
   :meth:`~BatchedContext.step` is ONE ``llama_decode`` of a batch made by
   :func:`appliance.engine.schedule.plan_step`: one decode token for every generating sequence, then prompt
@@ -61,10 +62,11 @@ from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.engine import flash, llamalog
+from appliance.engine import flash, kvstreams, llamalog
 from appliance.engine.bindings import llama_cpp
 from appliance.engine.flash import FlashMode
 from appliance.engine.interface import GREEDY, Grammar, Sampling, StopReason
@@ -94,6 +96,9 @@ GRAMMARS_KEPT = 16
 CONTROL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 """The tokens whose texts llama.cpp's tokenizer matches only with ``parse_special`` (user-defined ones it matches in
 any text, as Hugging Face's tokenizers match added tokens)."""
+
+STREAM_GRANULARITY = 256
+"""llama.cpp pads a split context's stream (one sequence's cells) to a multiple of 256 cells."""
 
 _backend_ready = False
 
@@ -146,6 +151,10 @@ class ModelWeights:
         self._grammars: dict[Grammar, GrammarParts] = {}
         self._candidates: Candidates | None = None
         self._contexts: list[BatchedContext] = []
+        # Split KV streams need a plain KV cache: a sliding-window model keeps two (and its state two stream counts),
+        # a recurrent or hybrid one keeps states of another kind.
+        self.splits = not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+                           or llama_cpp.llama_model_n_swa(model) > 0)
 
     def __enter__(self) -> ModelWeights:
         return self
@@ -363,7 +372,16 @@ class BatchedContext:
     unified KV cache of ``n_ctx`` cells, all advanced together by :meth:`step`.
 
     A sequence claims, when it joins, the cells its prompt and ``max_tokens`` may need; one that would not fit
-    beside the others' claims is refused (``CONTEXT_OVERFLOW``), so a step never runs out of cells. A finished
+    beside the others' claims is refused (``CONTEXT_OVERFLOW``), so a step never runs out of cells.
+
+    With ``split`` every sequence has a KV stream of its own of ``seq_cells = n_ctx / n_seq_max`` cells (llama.cpp's
+    ``kv_unified = false``; ``n_ctx`` must be a multiple of ``256 * n_seq_max``): a sequence's claim must fit its
+    stream, whatever the others hold. A decode step attends each sequence over its own stream only, where the
+    unified cache walks every sequence's cells for each (measured, 12x768 f16, 2 threads: the decode step of 2, 4
+    and 8 sequences 10-13 % shorter). llama.cpp then splits a batch into micro-batches of consecutive sequence ids
+    with as many tokens each, so a step puts its tokens in sequence-id order; a step that mixes a prompt's chunk with
+    other sequences' decode tokens, or skips an id between two, costs one graph more. :meth:`copy` between streams
+    goes through host memory (the source's state, loaded and cut). A finished
     sequence keeps its cells (it may be saved) until :meth:`cancel` removes it. ``prefill_limit`` (default: none
     but ``n_batch``) bounds each prompt's chunk in a step in which other sequences stream, so their gap between two
     tokens stays short (:func:`~appliance.engine.schedule.plan_step`). Single-threaded: see the module docstring.
@@ -371,7 +389,8 @@ class BatchedContext:
 
     def __init__(self, weights: ModelWeights, *, n_ctx: int, n_seq_max: int, n_batch: int,
                  n_threads: int | None = None, prefill_limit: int | None = None,
-                 flash_attn: FlashMode | bool = "auto", n_ubatch: int | None = None, cache_type: str = "f16") -> None:
+                 flash_attn: FlashMode | bool = "auto", n_ubatch: int | None = None, cache_type: str = "f16",
+                 split: bool = False) -> None:
         weights._check_open()
         if n_seq_max < 1:
             raise ApplianceError("BAD_REQUEST", "n_seq_max must be at least 1", {"n_seq_max": n_seq_max})
@@ -382,6 +401,12 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "n_ctx must be at least 1", {"n_ctx": n_ctx})
         if prefill_limit is not None and prefill_limit < 1:
             raise ApplianceError("BAD_REQUEST", "prefill_limit must be at least 1", {"prefill_limit": prefill_limit})
+        if split and not weights.splits:
+            raise ApplianceError("BAD_REQUEST", "split KV streams need a model with a plain KV cache (no sliding "
+                                 "window, not recurrent)", {"path": str(weights.path)})
+        if split and n_ctx % (STREAM_GRANULARITY * n_seq_max):
+            raise ApplianceError("BAD_REQUEST", "a split context's n_ctx must be a multiple of 256 cells per sequence",
+                                 {"n_ctx": n_ctx, "n_seq_max": n_seq_max})
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
         if not 1 <= n_ubatch <= n_batch:
             raise ApplianceError("BAD_REQUEST", "n_ubatch must be from 1 to n_batch",
@@ -404,8 +429,7 @@ class BatchedContext:
         if n_threads is not None:
             params.n_threads = n_threads
             params.n_threads_batch = n_threads
-        if hasattr(params, "kv_unified"):
-            params.kv_unified = True  # the sequences share one pool of n_ctx cells
+        params.kv_unified = not split  # True: the sequences share one pool of n_ctx cells
         # Flash attention (:mod:`appliance.engine.flash`): with it a decode of N rows rounds differently from a
         # decode of one (the tiny model's logits differ from a solo run's by up to 1e-3, 5e-4 without it, and a
         # near-tie greedy token may part); "off" keeps a sequence's text byte-equal to its solo run's.
@@ -426,6 +450,9 @@ class BatchedContext:
         self.ctx: llama_cpp.llama_context_p | None = ctx
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self.split = split
+        self.n_stream = n_seq_max if split else 1  # the stream count its states are saved with (kvstreams)
+        self.seq_cells = int(llama_cpp.llama_n_ctx_seq(ctx))  # the most cells one sequence may hold
         self.n_ubatch = int(llama_cpp.llama_n_ubatch(ctx))
         self.cache_type = cache_type
         self.flash_mode = mode
@@ -519,7 +546,7 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "the sequence holds fewer cells than it continues",
                                  {"seq_id": seq_id, "n_past": n_past, "cells": resting})
         self._check_tokens(prompt_tokens)
-        self._check_room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        self._check_room(seq_id, n_past + len(prompt_tokens) + max_tokens, continuing=True)
         sampler, kept = self._sampler(sampling, prompt_tokens if seen is None else seen)
         if resting > n_past:
             llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_past, -1)
@@ -575,13 +602,18 @@ class BatchedContext:
 
     def copy(self, source: int, target: int, n: int) -> None:
         """The free id ``target`` rests with the first ``n`` cells of ``source`` (llama.cpp's
-        ``llama_memory_seq_cp``: the cells are shared, not recomputed nor copied)."""
+        ``llama_memory_seq_cp``: the cells are shared, not recomputed nor copied; in a split context copied, through
+        host memory)."""
         self._check_thread()
         self._check_free(target)
         if not 0 < n <= self.cells(source):
             raise ApplianceError("BAD_REQUEST", "the source sequence does not hold that many cells",
                                  {"seq_id": source, "n": n, "cells": self.cells(source)})
-        self._check_room(n)
+        self._check_room(target, n)
+        if self.split:  # llama.cpp copies between streams only whole streams: through host memory, then cut
+            self.load_state(target, self._state_bytes(source), self.cells(source))
+            self.truncate(target, n)
+            return
         llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, n)
         self._resting[target] = n
 
@@ -600,6 +632,26 @@ class BatchedContext:
         buffer = bytearray(self.state_size(seq_id))
         return bytes(buffer[:self.state_into(seq_id, buffer)])
 
+    def _state_bytes(self, seq_id: int) -> bytearray:
+        """Any sequence's KV cells (generating or resting) as llama.cpp's per-sequence state bytes, in a buffer of
+        their size (the one host copy)."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+        buffer = bytearray(max(size, 1))
+        del buffer[self._write_state(seq_id, buffer, size):]  # in place: no second buffer
+        return buffer
+
+    def _write_state(self, seq_id: int, buffer: bytearray, size: int) -> int:
+        """llama.cpp writes sequence ``seq_id``'s state (``size`` bytes) straight into ``buffer``; the bytes
+        written."""
+        view = (ctypes.c_uint8 * len(buffer)).from_buffer(buffer)
+        try:
+            written = int(llama_cpp.llama_state_seq_get_data(self.ctx, view, size, seq_id))
+        finally:
+            del view
+        if written == 0 and size > 0:
+            raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
+        return written
+
     def state_size(self, seq_id: int) -> int:
         """The bytes :meth:`state_into` writes for a resting sequence."""
         self._check_thread()
@@ -613,23 +665,17 @@ class BatchedContext:
         size = self.state_size(seq_id)
         if len(buffer) < size:
             raise ApplianceError("INTERNAL", "the state buffer is too small", {"size": size, "buffer": len(buffer)})
-        view = (ctypes.c_uint8 * len(buffer)).from_buffer(buffer)
-        try:
-            written = int(llama_cpp.llama_state_seq_get_data(self.ctx, view, size, seq_id))
-        finally:
-            del view
-        if written == 0 and size > 0:
-            raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
-        return written
+        return self._write_state(seq_id, buffer, size)
 
     def load_state(self, seq_id: int, state: bytes | bytearray | memoryview, n_past: int) -> None:
         """The free id ``seq_id`` rests with the ``n_past`` cells of ``state`` (from :meth:`state`); a bytearray
         (or a view of one) is read in place, without a copy."""
         self._check_thread()
         self._check_free(seq_id)
-        self._check_room(n_past)
+        self._check_room(seq_id, n_past)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         if n_past > 0:
+            state = self._restreamed(state, seq_id)
             size = len(state)
             if isinstance(state, bytes) or (isinstance(state, memoryview) and state.readonly):
                 buffer = (ctypes.c_uint8 * size).from_buffer_copy(state)
@@ -643,6 +689,15 @@ class BatchedContext:
                 llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
                 raise ApplianceError("INTERNAL", "llama.cpp refused the saved sequence state", {"seq_id": seq_id})
         self._resting[seq_id] = n_past
+
+    def _restreamed(self, state: kvstreams.State, seq_id: int) -> kvstreams.State:
+        """``state`` as this context's stream count has it (saved in a split context and loaded into one pool, or
+        the other way round: :func:`~appliance.engine.kvstreams.restream`); the bytes as they are when it has it."""
+        try:
+            return kvstreams.restream(state, self.n_stream)
+        except ValueError as exc:
+            raise ApplianceError("INTERNAL", f"llama.cpp refused the saved sequence state: {exc}",
+                                 {"seq_id": seq_id}) from None
 
     # -- parking ---------------------------------------------------------------------------------------
     def save(self, seq_id: int) -> SavedSequence:
@@ -666,13 +721,14 @@ class BatchedContext:
         self._check_free(seq_id)
         self._check_tokens(saved.pending)
         left = 0 if saved.done else saved.max_tokens - len(saved.generated)
-        self._check_room(saved.n_past + len(saved.pending) + left)
+        self._check_room(seq_id, saved.n_past + len(saved.pending) + left)
         sampler, kept = self._sampler(saved.sampling, saved.seen)
         sampler.replay(saved.generated)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         if saved.state:
-            buffer = (ctypes.c_uint8 * len(saved.state)).from_buffer_copy(saved.state)
-            read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(saved.state), seq_id))
+            state = self._restreamed(saved.state, seq_id)
+            buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+            read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(state), seq_id))
             if read == 0:
                 llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
                 sampler.free()
@@ -688,16 +744,7 @@ class BatchedContext:
         self._check_thread()
         seq = self._sequence(seq_id)
         self._settle(seq, keep=True)  # its token drawn beside the decode goes with it
-        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
-        state = bytearray(max(size, 1))  # the one host copy of its cells: land reads it in place
-        view = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        try:
-            written = int(llama_cpp.llama_state_seq_get_data(self.ctx, view, size, seq_id))
-        finally:
-            del view
-        if written == 0 and size > 0:
-            raise ApplianceError("INTERNAL", "llama.cpp could not copy the sequence's state", {"seq_id": seq_id})
-        del state[written:]  # in place: no second buffer
+        state = self._state_bytes(seq_id)  # the one host copy of its cells: land reads it in place
         ready = [(event, row) for event, row in self._ready if event.seq_id == seq_id]
         self._ready = [(event, row) for event, row in self._ready if event.seq_id != seq_id]
         del self._seqs[seq_id]
@@ -715,9 +762,10 @@ class BatchedContext:
         if seq.seq_id != seq_id:
             raise ApplianceError("INTERNAL", "a lifted sequence lands in another sequence id",
                                  {"seq_id": seq_id, "lifted": seq.seq_id})
-        self._check_room(seq.cells())
+        self._check_room(seq_id, seq.cells())
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         if lifted.state:
+            lifted.state = self._restreamed(lifted.state, seq_id)  # type: ignore[assignment]  # a bytearray
             buffer = (ctypes.c_uint8 * len(lifted.state)).from_buffer(lifted.state)  # read in place, no copy
             try:
                 read = int(llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(lifted.state), seq_id))
@@ -751,6 +799,8 @@ class BatchedContext:
         work = [Work(seq.seq_id, len(seq.pending), bool(seq.generated))
                 for seq in self._seqs.values() if not seq.done and seq.drawing is None]
         takes = plan_step(work, self.n_batch, self.prefill_limit)
+        if self.split:
+            takes.sort(key=attrgetter("seq_id"))  # llama.cpp's micro-batches hold consecutive ids (class docstring)
         if not takes:
             if not events and any(seq.drawing is not None for seq in self._seqs.values()):
                 events = self._collect(wait=True, failed=True)  # only draws left: wait for one
@@ -914,8 +964,14 @@ class BatchedContext:
             raise ApplianceError("BAD_REQUEST", "a prompt token is not in the vocabulary",
                                  {"token": bad[0], "n_vocab": self.weights.n_vocab})
 
-    def _check_room(self, cells: int, leaving: int | None = None) -> None:
-        claimed = self.cells_claimed() - (self._resting.get(leaving, 0) if leaving is not None else 0)
+    def _check_room(self, seq_id: int, cells: int, *, continuing: bool = False) -> None:
+        """``cells`` more claimed by sequence ``seq_id`` (``continuing``: its resting cells are among them) fit."""
+        if self.split:
+            if cells > self.seq_cells:
+                raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit in its KV stream",
+                                     {"seq_cells": self.seq_cells, "requested": cells})
+            return
+        claimed = self.cells_claimed() - (self._resting.get(seq_id, 0) if continuing else 0)
         if claimed + cells > self.n_ctx:
             raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit beside the others in the context",
                                  {"n_ctx": self.n_ctx, "claimed": claimed, "requested": cells})

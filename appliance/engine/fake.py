@@ -216,10 +216,12 @@ class FakeContext:
     generating sequence."""
 
     def __init__(self, engine: FakeEngine, *, n_ctx: int, n_seq_max: int, plan: str = "fixed",
-                 threads: int = 1, v_transposed: bool = False) -> None:
+                 threads: int = 1, v_transposed: bool = False, split: bool = False) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        self.split = split  # a KV stream of seq_cells cells per sequence, as llama.cpp's split context
+        self.seq_cells = n_ctx // n_seq_max if split else n_ctx
         self.v_transposed = v_transposed
         self.plan = plan
         self.threads = threads
@@ -231,8 +233,13 @@ class FakeContext:
     def set_threads(self, n_threads: int) -> None:
         self.threads = n_threads
 
-    def _room(self, cells: int, leaving: int | None = None) -> None:
-        claimed = self.cells_claimed() - (len(self.kv.get(leaving, [])) if leaving is not None else 0)
+    def _room(self, seq_id: int, cells: int, *, continuing: bool = False) -> None:
+        if self.split:
+            if cells > self.seq_cells:
+                raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit in its KV stream",
+                                     {"seq_cells": self.seq_cells, "requested": cells})
+            return
+        claimed = self.cells_claimed() - (len(self.kv.get(seq_id, [])) if continuing else 0)
         if claimed + cells > self.n_ctx:
             raise ApplianceError("CONTEXT_OVERFLOW", "the sequence does not fit beside the others in the context",
                                  {"n_ctx": self.n_ctx, "claimed": claimed, "requested": cells})
@@ -245,7 +252,7 @@ class FakeContext:
         if n_past > len(cells):
             raise ApplianceError("BAD_REQUEST", "the sequence holds fewer cells than it continues",
                                  {"seq_id": seq_id, "n_past": n_past, "cells": len(cells)})
-        self._room(n_past + len(prompt_tokens) + max_tokens, leaving=seq_id)
+        self._room(seq_id, n_past + len(prompt_tokens) + max_tokens, continuing=True)
         scripted = self.engine.script(sampling)
         self.kv[seq_id] = cells[:n_past]
         self.running[seq_id] = _FakeSequence(list(prompt_tokens), max_tokens, sampling,
@@ -302,7 +309,7 @@ class FakeContext:
         return running + sum(len(cells) for cells in self.kv.values())
 
     def copy(self, source: int, target: int, n: int) -> None:
-        self._room(n)
+        self._room(target, n)
         self.kv[target] = self.kv[source][:n]
 
     def truncate(self, seq_id: int, keep: int) -> None:
@@ -318,7 +325,7 @@ class FakeContext:
         return len(data)
 
     def load_state(self, seq_id: int, state: bytes | bytearray | memoryview, n_past: int) -> None:
-        self._room(n_past)
+        self._room(seq_id, n_past)
         cells = array("i", bytes(state)).tolist()
         if len(cells) != n_past:
             raise ApplianceError("INTERNAL", "fake KV state does not match its token count")
@@ -337,7 +344,7 @@ class FakeContext:
         if seq_id in self.running or seq_id in self.kv:
             raise ApplianceError("BAD_REQUEST", "the sequence id is in use", {"seq_id": seq_id})
         cells, seq = lifted
-        self._room(len(cells) + len(seq.pending) + (0 if seq.done else seq.max_tokens - seq.generated))
+        self._room(seq_id, len(cells) + len(seq.pending) + (0 if seq.done else seq.max_tokens - seq.generated))
         self.kv[seq_id] = cells
         self.running[seq_id] = seq
 
@@ -368,10 +375,10 @@ class FakeRuntime(SlotRuntime):
         self.slots = Slots(None, self, n_ctx=n_ctx)
         self.open_context()
 
-    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> FakeContext:
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int, split: bool = False) -> FakeContext:
         self.contexts_built += 1
         return FakeContext(self.engine, n_ctx=n_ctx, n_seq_max=n_seq_max, plan=plan, threads=threads,
-                           v_transposed=self.v_transposed)
+                           v_transposed=self.v_transposed, split=split)
 
     def _free(self, context: FakeContext) -> None:  # type: ignore[override]
         context.running.clear()

@@ -31,7 +31,9 @@ class RequestSample:
     conversation held at the end, ``kv_cells_peak``: the most it held; ``live_sequences``: sequences live in the
     context when it ran; ``threads``: the thread count it ran with; ``queue_length``: requests waiting when it
     started; ``burst_tokens``: the tokens of the step that evaluated the end of its prompt when that step ended
-    other requests' prompts too (a burst of agents evaluated together), else 0. Every figure is at least 0.
+    other requests' prompts too (a burst of agents evaluated together), else 0; ``kv_cells_need``: the cells its own
+    sequence claimed (its conversation, prompt and ``max_tokens``: what a KV stream of its own must hold; 0: not
+    told). Every figure is at least 0.
     """
 
     input_tokens: int
@@ -45,6 +47,7 @@ class RequestSample:
     threads: int
     queue_length: int
     burst_tokens: int = 0
+    kv_cells_need: int = 0
 
     def __post_init__(self) -> None:
         for name in FIELDS:

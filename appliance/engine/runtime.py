@@ -84,6 +84,7 @@ class Runtime(SlotRuntime):
         self.n_ctx = n_ctx  # one conversation's bound: the configured n_ctx, whatever the pool's size
         self.tuning = tuning or Tuning(n_ctx, FIXED, n_threads or 1)
         self.longest_piece = self.weights.longest_piece()
+        self.splits = self.weights.splits  # its contexts may be split KV streams (a plain KV cache)
         self._vocabulary: str | None = None
         self.context: BatchedContext | None = None
         self.embeddings: EmbeddingContext | None = None  # opened at the first embeddings request
@@ -95,11 +96,12 @@ class Runtime(SlotRuntime):
             self.weights.close()
             raise
 
-    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> BatchedContext:
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int,
+                     split: bool = False) -> BatchedContext:
         chosen = plans.fixed_plan(self.n_ctx, n_seq_max) if plan == FIXED else plans.plan_for(plan, n_ctx, n_seq_max)
         return BatchedContext(self.weights, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=chosen.n_batch,
                               n_ubatch=chosen.n_ubatch, n_threads=threads, prefill_limit=chosen.prefill_limit,
-                              flash_attn=self.flash_mode, cache_type=self.cache_type)
+                              flash_attn=self.flash_mode, cache_type=self.cache_type, split=split)
 
     def _free(self, context: BatchedContext) -> None:  # type: ignore[override]
         context.close()

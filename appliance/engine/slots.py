@@ -14,8 +14,9 @@ parked in host RAM, which prefix is reused, and each request's stream (SPEC L5, 
   batching, chunked prefill: :func:`~appliance.engine.schedule.plan_step`); each sampled token goes through its
   request's :class:`~appliance.engine.streamtext.StreamText` (stop strings held back) to its ``on_token``.
 * **Shared prefixes.** A conversation that holds no cells starts from the longest prefix of its tokens that a
-  live sequence (llama.cpp shares the cells: ``llama_memory_seq_cp``) or a parked conversation (its state is
-  loaded, then cut) already holds; ``Generation.prompt_evaluated`` says how many tokens were really evaluated.
+  live sequence (llama.cpp shares the cells: ``llama_memory_seq_cp``; a split context copies them) or a parked
+  conversation (its state is loaded, then cut) already holds; ``Generation.prompt_evaluated`` says how many tokens
+  were really evaluated.
 * **Rollback.** A cancelled or failed request leaves its conversation as it was before (tokens and cells).
 * **Prompts** are raw text or a :class:`~appliance.engine.interface.Prompt` with control tokens
   (:mod:`appliance.engine.prompts`); a ``Prompt`` with ``history`` is the conversation's whole text, of which the
@@ -82,6 +83,8 @@ class SequenceContext(Protocol):
 
     n_ctx: int
     n_seq_max: int
+    split: bool  # each sequence has a KV stream of its own (of seq_cells cells), not a share of one pool
+    seq_cells: int  # the most cells one sequence may hold (n_ctx when not split)
     v_transposed: bool  # its V cache is transposed (flash attention off): the layout of the states it saves and loads
     last_batch: int  # tokens in the last step's batch
 
@@ -249,7 +252,7 @@ class Slots:
         kept = conv if keep == len(conv.tokens) else Conversation(tokens=conv.tokens[:keep])
         n_tokens = tokens_to_generate(self.n_ctx, kept, new, n_tokens)
         need = keep + len(new) + n_tokens
-        if need > self.context.n_ctx:
+        if need > self.context.seq_cells:
             raise PoolTooSmall(need)
         request = Request(conv, prompt_tokens, n_tokens, sampling, on_token, cancelled, on_done, ephemeral,
                           keep, StreamText(sampling.stop, b"" if new else self._primer(conv)),
@@ -303,6 +306,8 @@ class Slots:
         return own if own is not None else self._free_seq()
 
     def _fits(self, need: int, own: int | None) -> bool:
+        if self.context.split:  # a stream of its own: the others' cells do not matter
+            return need <= self.context.seq_cells
         held = self.context.cells(own) if own is not None else 0
         return self.context.cells_claimed() - held + need <= self.context.n_ctx
 
@@ -449,12 +454,17 @@ class Slots:
         token, cells). The old context is the caller's to close. Returns the parked conversations."""
         if self.requests and not carry:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
-        if context.n_seq_max < self.context.n_seq_max:
-            raise ApplianceError("INTERNAL", "the new context has fewer sequences")
-        if sum(request.need for request in self.requests.values()) > context.n_ctx:
+        if any(seq_id >= context.n_seq_max for seq_id in self.requests):
+            raise ApplianceError("INTERNAL", "a request in flight holds a sequence the new context lacks")
+        if not holds_requests(context, [request.need for request in self.requests.values()]):
             raise ApplianceError("INTERNAL", "the requests in flight do not fit in the new context",
-                                 {"n_ctx": context.n_ctx})
+                                 {"n_ctx": context.n_ctx, "seq_cells": context.seq_cells})
         parked: list[Conversation] = []
+        for seq_id in list(self.holders):  # an idle one without its sequence there, or too long for its stream
+            if seq_id in self.requests:
+                continue
+            if seq_id >= context.n_seq_max or (context.split and self.context.cells(seq_id) > context.seq_cells):
+                parked.append(self._park(seq_id))
         while self.context.cells_claimed() > context.n_ctx:
             victim = self._idle_victim(exclude=None)
             assert victim is not None  # the requests' claims fit (checked above): an idle holder is left
@@ -661,6 +671,14 @@ class Slots:
         self._used[seq_id] = self._tick
 
 
+def holds_requests(context: SequenceContext, needs: list[int]) -> bool:
+    """Whether ``context`` holds requests claiming ``needs`` cells each: each in a stream of its own, or all in one
+    pool."""
+    if context.split:
+        return all(need <= context.seq_cells for need in needs)
+    return sum(needs) <= context.n_ctx
+
+
 def layout_name(v_transposed: bool) -> str:
     return "transposed (flash attention off)" if v_transposed else "as flash attention stores it"
 
@@ -732,11 +750,13 @@ class SlotRuntime(RequestRunner):
     n_ctx: int
     live_slots: int
     flash_mode: FlashMode
+    splits = True  # its contexts may be split KV streams (False: a model whose KV cache is not a plain one)
     cold: Slots | None = None
     _next: tuple[SequenceContext, Tuning] | None = None
     _rebuilding = False
 
-    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int) -> SequenceContext:
+    def _new_context(self, n_ctx: int, n_seq_max: int, plan: str, threads: int,
+                     split: bool = False) -> SequenceContext:
         raise NotImplementedError
 
     def _free(self, context: SequenceContext) -> None:
@@ -767,6 +787,27 @@ class SlotRuntime(RequestRunner):
         return self.context.n_ctx if self.context is not None else 0
 
     @property
+    def sequences(self) -> int:
+        """The live context's sequences (``live_slots``, or its streams when split; ``live_slots`` without one)."""
+        return self.context.n_seq_max if self.context is not None else self.live_slots
+
+    @property
+    def seq_cells(self) -> int:
+        """The most cells one request may claim in the hot pool (its stream in a split context; 0 without one)."""
+        return self.context.seq_cells if self.context is not None else 0
+
+    def carries(self, tuning: Tuning) -> bool:
+        """Whether a context built for ``tuning`` holds the requests in flight (they may be carried over to it: each
+        keeps its sequence id)."""
+        requests = self.slots.requests
+        if any(seq_id >= tuning.sequences(self.live_slots) for seq_id in requests):
+            return False
+        needs = [request.need for request in requests.values()]
+        if tuning.split:
+            return all(need <= tuning.seq_cells() for need in needs)
+        return sum(needs) <= tuning.pool_cells
+
+    @property
     def cold_cells(self) -> int:
         """The cold context's KV cells (0 without one)."""
         return self.cold.context.n_ctx if self.cold is not None else 0
@@ -784,8 +825,8 @@ class SlotRuntime(RequestRunner):
         """Build the live context with the current tuning (no-op when open)."""
         if self.context is not None:
             return
-        self.context = self._new_context(self.tuning.pool_cells, self.live_slots, self.tuning.plan,
-                                         self.tuning.threads)
+        self.context = self._new_context(self.tuning.pool_cells, self.tuning.sequences(self.live_slots),
+                                         self.tuning.plan, self.tuning.threads, self.tuning.split)
         self.slots.context = self.context
 
     def close_context(self) -> list[Conversation]:
@@ -810,7 +851,8 @@ class SlotRuntime(RequestRunner):
         self._drop_next()
         if self.context is None:
             return
-        self._next = (self._new_context(tuning.pool_cells, self.live_slots, tuning.plan, tuning.threads), tuning)
+        self._next = (self._new_context(tuning.pool_cells, tuning.sequences(self.live_slots), tuning.plan,
+                                        tuning.threads, tuning.split), tuning)
 
     @property
     def prepared(self) -> Tuning | None:
@@ -821,7 +863,9 @@ class SlotRuntime(RequestRunner):
         recently used parked if they do not all fit); returns the parked ones. None (nothing changes) while a
         request is in flight, or with nothing prepared; with ``carry`` the requests in flight go on in the prepared
         context (:meth:`Slots.move_to`: it must hold their claims)."""
-        if self._next is None or self.context is None or (self.slots.busy and not carry):
+        if self._next is None or self.context is None:
+            return None
+        if self.slots.busy and not (carry and self.carries(self._next[1])):
             return None
         context, tuning = self._next
         self._next = None
@@ -845,7 +889,7 @@ class SlotRuntime(RequestRunner):
         ``carry`` the requests in flight go on in the new context from where they are (their sequences lifted to
         host RAM meanwhile: :meth:`Slots.lift_requests`); when it cannot be built, they go on in one of the old
         size and the error is raised (or end with it, when that cannot be built either)."""
-        if self.context is None or (self.slots.busy and not carry):
+        if self.context is None or (self.slots.busy and not (carry and self.carries(tuning))):
             return None
         self._rebuilding = True  # has_context stays true for the loop meanwhile: its ledger key is being replaced
         try:

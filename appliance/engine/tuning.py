@@ -7,9 +7,11 @@ so a workload sitting on a boundary does not flap between two values:
 * **Hot pool (E2).** :func:`hot_pool_cells` is the size the figures ask for; :func:`resize_pool` grows the pool
   to it at once but shrinks only when the wanted size is at least ``shrink_margin`` below the current one.
   :func:`queue_pool_cells` is the size asked for when admission is blocked on cells (the requests in flight and
-  those waiting need more than the pool); :func:`builds_beside` says whether the next context may be built beside
-  the live one or only after the live one is freed, and :func:`growth_ceiling` how large a growth may go without
-  the model's KV memory (pools and host buffers) passing what the fixed strategy preallocates.
+  those waiting need more than the pool); :func:`split_streams` the streams of a split context (a KV stream per
+  live sequence) where concurrent requests' claims allow one; :func:`builds_beside` says whether the next context
+  may be built beside the live one or only after the live one is freed, and :func:`growth_ceiling` how large a
+  growth may go without the model's KV memory (pools and host buffers) passing what the fixed strategy
+  preallocates.
 * **Plan (E3).** :func:`choose_plan`: S below the first boundary, M between, L above the second (P90 input
   tokens). Away from the current plan each boundary moves by ``margin`` times itself: leaving a plan needs the
   value past the boundary by that much. :func:`burst_plan`: the plan whose micro-batch holds the steps that
@@ -110,6 +112,40 @@ def queue_pool_cells(demand: int, current: int, slack: float, *, granularity: in
     if wanted <= current:
         return None
     return wanted
+
+
+STREAMS_SHRINK_MARGIN = 0.5
+"""A split context's stream count shrinks only to half or less: one stream fewer saves a stream's cells, and the
+switch rebuilds the context."""
+
+
+def split_streams(need: int, live: int, slack: float, live_slots: int, *, granularity: int = 256, maximum: int,
+                  current: tuple[int, int] | None = None, shrink_margin: float = 0.25) -> tuple[int, int] | None:
+    """The KV streams of a split context, as (cells of one stream, streams), for requests that claim ``need`` cells
+    each (a high percentile) and run ``live`` at a time: a stream of ``need`` times ``slack``, rounded up to
+    ``granularity`` (llama.cpp pads a stream to 256 cells), for each of the ``live`` requests, at most
+    ``live_slots``. With ``current`` (the context is split now: its stream cells and streams) each figure grows at
+    once and shrinks only past ``shrink_margin`` (:func:`resize_pool`; the streams past
+    :data:`STREAMS_SHRINK_MARGIN`). None, one pool, when fewer than two requests
+    run together (a lone sequence attends only its own cells in one pool too) or the streams would take more than
+    ``maximum`` cells."""
+    if min(need, live) < 0:
+        raise ValueError(f"need and live must be at least 0, got {need} and {live}")
+    if slack < 1.0:
+        raise ValueError(f"slack must be at least 1.0, got {slack}")
+    if min(live_slots, granularity, maximum) < 1:
+        raise ValueError(f"live_slots, granularity and maximum must be at least 1, got {live_slots}, {granularity} "
+                         f"and {maximum}")
+    streams = min(live, live_slots)
+    if streams < 2:
+        return None
+    stream = max(granularity, round_up(math.ceil(round(need * slack, 6)), granularity))
+    if current is not None:
+        stream = resize_pool(current[0], stream, shrink_margin)
+        streams = resize_pool(current[1], streams, STREAMS_SHRINK_MARGIN)
+    if stream * streams > maximum:
+        return None
+    return stream, streams
 
 
 def builds_beside(current: int, wanted: int, n_ctx: int, held: int = 0) -> bool:

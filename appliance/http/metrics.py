@@ -233,8 +233,12 @@ class DaemonCollector(Collector):
                                        "(0 when none is open).", labels=["model"])
         threads = GaugeMetricFamily("appliance_threads", "Threads a model's live context decodes with.",
                                     labels=["model"])
+        streams = GaugeMetricFamily("appliance_kv_streams", "KV streams of a model's live context: split, one per "
+                                    "sequence, each an equal share of the hot pool (0: one pool its sequences "
+                                    "share).", labels=["model"])
         for context in snapshot["contexts"]:
             model = context["model"]
+            streams.add_metric([model], context["kv_streams"])
             hot_cells.add_metric([model], context["pool_cells"])
             hot_bytes.add_metric([model], context["pool_bytes"])
             cold_cells.add_metric([model], context["cold_cells"])
@@ -245,6 +249,7 @@ class DaemonCollector(Collector):
         yield cold_cells
         yield cold_bytes
         yield threads
+        yield streams
 
     @staticmethod
     def profiles(profiles: dict[str, dict]) -> Iterator[Metric]:

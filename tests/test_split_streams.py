@@ -19,7 +19,7 @@ from test_batched import N_BATCH, PROMPTS, THREADS, Run, assert_matches, finish,
 from appliance.daemon.core import Daemon, context_key
 from appliance.daemon.devices import FakeDevice
 from appliance.engine import kvstreams, tuning
-from appliance.engine.adaptive import MIN_SAMPLES, Settings, Tuner, Tuning
+from appliance.engine.adaptive import MIN_SAMPLES, Settings, Tuner, Tuning, prompts_lighter
 from appliance.engine.batched import BatchedContext, ModelWeights
 from appliance.engine.fake import FakeEngine, FakeRuntime
 from appliance.engine.interface import GREEDY, Conversation
@@ -164,6 +164,16 @@ def test_concurrent_requests_get_split_streams_and_one_at_a_time_one_pool() -> N
     for _ in range(MIN_SAMPLES):
         told_nothing.observe(replace(sample(TURN, 4), kv_cells_need=0))
     assert told_nothing.decide(0).split is False
+    prompt_heavy = Tuner(SETTINGS, 16384, 2)  # long prompts, short answers: split prompt steps cost more
+    for _ in range(MIN_SAMPLES):
+        prompt_heavy.observe(replace(sample(TURN, 4), prompt_evaluated=400, output_tokens=16))
+    assert prompt_heavy.decide(0).split is False
+    warmed = Tuner(SETTINGS, 16384, 2)  # warm-up runs (alone, prompt-heavy) do not count against the agents
+    for _ in range(8):
+        warmed.seed(replace(sample(TURN, 1), prompt_evaluated=96, output_tokens=8))
+    for _ in range(MIN_SAMPLES):
+        warmed.observe(sample(TURN, 4))
+    assert warmed.decide(0).split is True
     cannot = Tuner(SETTINGS, 16384, 2)  # a model whose KV cache is not a plain one
     cannot.splits = False
     for _ in range(MIN_SAMPLES):
@@ -209,6 +219,20 @@ def test_requests_waiting_for_a_stream_get_more_streams_at_once() -> None:
     assert tuner.decide(0).streams == 2
     unified = Tuner(SETTINGS, 16384, 2)
     assert unified.stream_demand(5) is False  # one pool: its sequences are live_slots already
+
+
+@pytest.mark.parametrize(("samples", "lighter"), [
+    ([(64, 64, 4)], True),  # as many generated as evaluated
+    ([(65, 64, 4)], False),
+    ([(400, 16, 4), (10, 500, 2)], True),  # summed over the requests that ran together
+    ([(400, 16, 4), (500, 8, 1)], False),
+    ([(10, 500, 1)], False),  # none ran beside another
+    ([], False),
+])
+def test_prompts_lighter(samples: list[tuple[int, int, int]], lighter: bool) -> None:
+    window = [replace(sample(TURN, live), prompt_evaluated=evaluated, output_tokens=generated)
+              for evaluated, generated, live in samples]
+    assert prompts_lighter(window) is lighter
 
 
 def test_the_fixed_strategy_is_never_split() -> None:
@@ -302,8 +326,8 @@ async def turns_together(daemon: Daemon, together: int) -> Any:
     for agent in AGENTS:
         await daemon.register(agent, "m")
     model = daemon.models["m"]
-    for turn in range(MIN_SAMPLES):
-        await asyncio.gather(*(daemon.decode(agent, 8, f"Hello {turn} from {agent}") for agent in AGENTS[:together]))
+    for turn in range(MIN_SAMPLES):  # each generates more tokens than its prompt has (split streams pay there)
+        await asyncio.gather(*(daemon.decode(agent, 24, f"Hi {turn}") for agent in AGENTS[:together]))
         if model.retuning is not None:
             await model.retuning
     return model

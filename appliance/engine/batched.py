@@ -377,10 +377,11 @@ class BatchedContext:
     With ``split`` every sequence has a KV stream of its own of ``seq_cells = n_ctx / n_seq_max`` cells (llama.cpp's
     ``kv_unified = false``; ``n_ctx`` must be a multiple of ``256 * n_seq_max``): a sequence's claim must fit its
     stream, whatever the others hold. A decode step attends each sequence over its own stream only, where the
-    unified cache walks every sequence's cells for each (measured, 12x768 f16, 2 threads: the decode step of 2, 4
-    and 8 sequences 10-13 % shorter). llama.cpp then splits a batch into micro-batches of consecutive sequence ids
-    with as many tokens each, so a step puts its tokens in sequence-id order; a step that mixes a prompt's chunk with
-    other sequences' decode tokens, or skips an id between two, costs one graph more. :meth:`copy` between streams
+    unified cache walks every sequence's cells for each (measured in the appliance, 12x768 f16, 2 threads: the
+    decode step of 4 sequences 5-10 % shorter, of 2 the same; README "Split KV streams"). llama.cpp then splits a
+    batch into micro-batches of consecutive sequence ids with as many tokens each, so a step puts its tokens in
+    sequence-id order; a step that mixes a prompt's chunk with other sequences' decode tokens, or skips an id between
+    two, costs one graph more. :meth:`copy` between streams
     goes through host memory (the source's state, loaded and cut). A finished
     sequence keeps its cells (it may be saved) until :meth:`cancel` removes it. ``prefill_limit`` (default: none
     but ``n_batch``) bounds each prompt's chunk in a step in which other sequences stream, so their gap between two

@@ -126,9 +126,8 @@ def split_streams(need: int, live: int, slack: float, live_slots: int, *, granul
     ``granularity`` (llama.cpp pads a stream to 256 cells), for each of the ``live`` requests, at most
     ``live_slots``. With ``current`` (the context is split now: its stream cells and streams) each figure grows at
     once and shrinks only past ``shrink_margin`` (:func:`resize_pool`; the streams past
-    :data:`STREAMS_SHRINK_MARGIN`). None, one pool, when fewer than two requests
-    run together (a lone sequence attends only its own cells in one pool too) or the streams would take more than
-    ``maximum`` cells."""
+    :data:`STREAMS_SHRINK_MARGIN`). None, one pool, when fewer than two requests run together (a lone sequence
+    attends only its own cells in one pool too) or the streams would take more than ``maximum`` cells."""
     if min(need, live) < 0:
         raise ValueError(f"need and live must be at least 0, got {need} and {live}")
     if slack < 1.0:

@@ -21,7 +21,7 @@ from appliance.daemon.devices import FakeDevice
 from appliance.engine import kvstreams, tuning
 from appliance.engine.adaptive import MIN_SAMPLES, Settings, Tuner, Tuning, prompts_lighter
 from appliance.engine.batched import BatchedContext, ModelWeights
-from appliance.engine.fake import FakeEngine, FakeRuntime
+from appliance.engine.fake import FakeContext, FakeEngine, FakeRuntime
 from appliance.engine.interface import GREEDY, Conversation
 from appliance.engine.profile import RequestSample
 from appliance.engine.runtime import Engine
@@ -62,6 +62,10 @@ def test_a_split_context_has_256_cells_per_sequence(weights: ModelWeights) -> No
     with pytest.raises(ApplianceError) as caught:
         BatchedContext(weights, n_ctx=1000, n_seq_max=4, n_batch=N_BATCH, split=True)
     assert caught.value.code == "BAD_REQUEST" and caught.value.details == {"n_ctx": 1000, "n_seq_max": 4}
+    with pytest.raises(ApplianceError) as faked:  # the fake engine's context refuses it as llama.cpp's would pad it
+        FakeContext(FakeEngine(), n_ctx=1000, n_seq_max=4, split=True)
+    assert faked.value.details == caught.value.details
+    assert FakeContext(FakeEngine(), n_ctx=1024, n_seq_max=4, split=True).seq_cells == 256
 
 
 def test_a_prefix_copied_between_streams_goes_on_like_the_prompt_run_whole(weights: ModelWeights) -> None:

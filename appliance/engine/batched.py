@@ -75,6 +75,7 @@ from appliance.engine.sampling import check_grammar, sampling_error
 from appliance.engine.sampling import check_sampling as check_settings
 from appliance.engine.schedule import SeqEvent, Work, plan_step
 from appliance.engine.triggers import compile_patterns
+from appliance.engine.tuning import check_split
 from appliance.errors import ApplianceError
 
 if TYPE_CHECKING:
@@ -96,9 +97,6 @@ GRAMMARS_KEPT = 16
 CONTROL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 """The tokens whose texts llama.cpp's tokenizer matches only with ``parse_special`` (user-defined ones it matches in
 any text, as Hugging Face's tokenizers match added tokens)."""
-
-STREAM_GRANULARITY = 256
-"""llama.cpp pads a split context's stream (one sequence's cells) to a multiple of 256 cells."""
 
 _backend_ready = False
 
@@ -405,9 +403,8 @@ class BatchedContext:
         if split and not weights.splits:
             raise ApplianceError("BAD_REQUEST", "split KV streams need a model with a plain KV cache (no sliding "
                                  "window, not recurrent)", {"path": str(weights.path)})
-        if split and n_ctx % (STREAM_GRANULARITY * n_seq_max):
-            raise ApplianceError("BAD_REQUEST", "a split context's n_ctx must be a multiple of 256 cells per sequence",
-                                 {"n_ctx": n_ctx, "n_seq_max": n_seq_max})
+        if split:
+            check_split(n_ctx, n_seq_max)
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
         if not 1 <= n_ubatch <= n_batch:
             raise ApplianceError("BAD_REQUEST", "n_ubatch must be from 1 to n_batch",

@@ -51,6 +51,7 @@ from appliance.engine.loopfuture import loop_future
 from appliance.engine.sampling import check_grammar, check_sampling
 from appliance.engine.schedule import SeqEvent
 from appliance.engine.slots import ColdNeeded, Request, RequestRunner, SlotRuntime, Slots
+from appliance.engine.tuning import check_split
 from appliance.engine.worker import DEFAULT_QUEUE, FairWorker
 from appliance.errors import ApplianceError
 
@@ -220,6 +221,8 @@ class FakeContext:
         self.engine = engine
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        if split:
+            check_split(n_ctx, n_seq_max)  # as BatchedContext: a stream of exactly n_ctx / n_seq_max cells
         self.split = split  # a KV stream of seq_cells cells per sequence, as llama.cpp's split context
         self.seq_cells = n_ctx // n_seq_max if split else n_ctx
         self.v_transposed = v_transposed

@@ -456,7 +456,8 @@ class Slots:
             raise ApplianceError("INTERNAL", "the context still has requests in flight")
         if any(seq_id >= context.n_seq_max for seq_id in self.requests):
             raise ApplianceError("INTERNAL", "a request in flight holds a sequence the new context lacks")
-        if not holds_requests(context, [request.need for request in self.requests.values()]):
+        needs = [request.need for request in self.requests.values()]
+        if not claims_fit(needs, split=context.split, seq_cells=context.seq_cells, n_ctx=context.n_ctx):
             raise ApplianceError("INTERNAL", "the requests in flight do not fit in the new context",
                                  {"n_ctx": context.n_ctx, "seq_cells": context.seq_cells})
         parked: list[Conversation] = []
@@ -671,12 +672,13 @@ class Slots:
         self._used[seq_id] = self._tick
 
 
-def holds_requests(context: SequenceContext, needs: list[int]) -> bool:
-    """Whether ``context`` holds requests claiming ``needs`` cells each: each in a stream of its own, or all in one
-    pool."""
-    if context.split:
-        return all(need <= context.seq_cells for need in needs)
-    return sum(needs) <= context.n_ctx
+def claims_fit(needs: list[int], *, split: bool, seq_cells: int, n_ctx: int) -> bool:
+    """Whether requests claiming ``needs`` cells each fit a context of ``n_ctx`` cells: each in a KV stream of its
+    own of ``seq_cells`` cells (``split``), or all in one pool. A built context (:meth:`Slots.move_to`) and a tuning
+    not built yet (:meth:`SlotRuntime.carries`) are asked the same question."""
+    if split:
+        return all(need <= seq_cells for need in needs)
+    return sum(needs) <= n_ctx
 
 
 def layout_name(v_transposed: bool) -> str:
@@ -803,9 +805,7 @@ class SlotRuntime(RequestRunner):
         if any(seq_id >= tuning.sequences(self.live_slots) for seq_id in requests):
             return False
         needs = [request.need for request in requests.values()]
-        if tuning.split:
-            return all(need <= tuning.seq_cells() for need in needs)
-        return sum(needs) <= tuning.pool_cells
+        return claims_fit(needs, split=tuning.split, seq_cells=tuning.seq_cells(), n_ctx=tuning.pool_cells)
 
     @property
     def cold_cells(self) -> int:

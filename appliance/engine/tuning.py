@@ -28,12 +28,26 @@ from __future__ import annotations
 import math
 import re
 
+from appliance.errors import ApplianceError
+
 PLANS = ("S", "M", "L")
 THREADS_BY_BAND = (2, 3, 4)
 PROC_STAT_COUNTERS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 IDLE = PROC_STAT_COUNTERS.index("idle")
 IOWAIT = PROC_STAT_COUNTERS.index("iowait")
 WHOLE_NUMBER = re.compile(r"[0-9]+")
+STREAM_GRANULARITY = 256
+"""llama.cpp pads a split context's stream (one sequence's cells) to a multiple of 256 cells: a split context's
+``n_ctx`` is a multiple of 256 per sequence (:class:`~appliance.engine.batched.BatchedContext` and the fake engine's
+context refuse others)."""
+
+
+def check_split(n_ctx: int, n_seq_max: int) -> None:
+    """Refuse a split context whose ``n_ctx`` is not :data:`STREAM_GRANULARITY` cells per sequence times a whole
+    number (llama.cpp would pad each stream past its share)."""
+    if n_ctx % (STREAM_GRANULARITY * n_seq_max):
+        raise ApplianceError("BAD_REQUEST", "a split context's n_ctx must be a multiple of 256 cells per sequence",
+                             {"n_ctx": n_ctx, "n_seq_max": n_seq_max})
 
 
 def round_up(value: int, granularity: int) -> int:
@@ -119,11 +133,12 @@ STREAMS_SHRINK_MARGIN = 0.5
 switch rebuilds the context."""
 
 
-def split_streams(need: int, live: int, slack: float, live_slots: int, *, granularity: int = 256, maximum: int,
+def split_streams(need: int, live: int, slack: float, live_slots: int, *, granularity: int = STREAM_GRANULARITY,
+                  maximum: int,
                   current: tuple[int, int] | None = None, shrink_margin: float = 0.25) -> tuple[int, int] | None:
     """The KV streams of a split context, as (cells of one stream, streams), for requests that claim ``need`` cells
     each (a high percentile) and run ``live`` at a time: a stream of ``need`` times ``slack``, rounded up to
-    ``granularity`` (llama.cpp pads a stream to 256 cells), for each of the ``live`` requests, at most
+    ``granularity`` (:data:`STREAM_GRANULARITY`), for each of the ``live`` requests, at most
     ``live_slots``. With ``current`` (the context is split now: its stream cells and streams) each figure grows at
     once and shrinks only past ``shrink_margin`` (:func:`resize_pool`; the streams past
     :data:`STREAMS_SHRINK_MARGIN`). None, one pool, when fewer than two requests run together (a lone sequence

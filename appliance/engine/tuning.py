@@ -46,8 +46,8 @@ def check_split(n_ctx: int, n_seq_max: int) -> None:
     """Refuse a split context whose ``n_ctx`` is not :data:`STREAM_GRANULARITY` cells per sequence times a whole
     number (llama.cpp would pad each stream past its share)."""
     if n_ctx % (STREAM_GRANULARITY * n_seq_max):
-        raise ApplianceError("BAD_REQUEST", "a split context's n_ctx must be a multiple of 256 cells per sequence",
-                             {"n_ctx": n_ctx, "n_seq_max": n_seq_max})
+        raise ApplianceError("BAD_REQUEST", f"a split context's n_ctx must be a multiple of {STREAM_GRANULARITY} "
+                                            "cells per sequence", {"n_ctx": n_ctx, "n_seq_max": n_seq_max})
 
 
 def round_up(value: int, granularity: int) -> int:
@@ -133,9 +133,9 @@ STREAMS_SHRINK_MARGIN = 0.5
 switch rebuilds the context."""
 
 
-def split_streams(need: int, live: int, slack: float, live_slots: int, *, granularity: int = STREAM_GRANULARITY,
-                  maximum: int,
-                  current: tuple[int, int] | None = None, shrink_margin: float = 0.25) -> tuple[int, int] | None:
+def split_streams(need: int, live: int, slack: float, live_slots: int, *, maximum: int,
+                  granularity: int = STREAM_GRANULARITY, current: tuple[int, int] | None = None,
+                  shrink_margin: float = 0.25) -> tuple[int, int] | None:
     """The KV streams of a split context, as (cells of one stream, streams), for requests that claim ``need`` cells
     each (a high percentile) and run ``live`` at a time: a stream of ``need`` times ``slack``, rounded up to
     ``granularity`` (:data:`STREAM_GRANULARITY`), for each of the ``live`` requests, at most

@@ -155,6 +155,7 @@ class StreamRun:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.direct = None
+        self.pump = None
         self.cancel = threading.Event()
         self.task: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 

@@ -14,7 +14,7 @@ HTTP status, after it as an ``error`` event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -23,10 +23,12 @@ from starlette.routing import BaseRoute, Route
 
 from appliance.daemon.core import Daemon
 from appliance.engine import reasoning, toolcalls
+from appliance.engine.interface import Token
 from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
 from appliance.http import anthropic_schema as schema
-from appliance.http import sse
+from appliance.http import chunkwrite, sse
+from appliance.http.chunkwrite import ChunkWriter
 from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
     END,
@@ -91,21 +93,31 @@ def answer(done: Done, ident: str, options: ChatRequest, plan: ChatPlan, display
 
 
 async def events(run: Run, first: Any, ident: str, options: ChatRequest, plan: ChatPlan,
-                 display: schema.ThinkingDisplay, max_tokens: int) -> AsyncIterator[bytes]:
+                 display: schema.ThinkingDisplay, max_tokens: int,
+                 chunks: ChunkWriter | None = None) -> AsyncIterator[bytes]:
     """The SSE body in Anthropic's order: ``message_start``, each content block's start, deltas and stop (a
     ``ping`` after the first start and for each heartbeat), ``message_delta`` and ``message_stop``; an error after
-    the start is one ``error`` event. If the client goes away, the generation is cancelled."""
+    the start is one ``error`` event. If the client goes away, the generation is cancelled. With the request's
+    ``chunks`` writer, tokens that come while the stream waits for them are written without waking this generator
+    (:class:`~appliance.http.sse.TokenWrites`)."""
     parser = None if plan.calls is None else toolcalls.StreamParser(plan.calls, schema.tool_use_id)
     reply = ReplyStream(plan.splitter(), parser)
     blocks = schema.StreamBlocks(display=display)
+
+    def render(batch: Sequence[Token]) -> bytes:
+        return b"".join(blocks.feed(reply.feed("".join(token.text for token in batch))))
+
+    writes = sse.TokenWrites(run, render, chunks)
     try:
         out = [schema.message_start(ident, options.model)]
-        async for items, last in sse.deliveries(run.queue, first, END):  # what is ready together: one write
+        async for items, last in sse.deliveries(run.queue, first, END, writes.parked):  # ready together: one write
             for item in items:
                 if item is PING:
                     out.append(schema.PING)
+                elif isinstance(item, bytes):
+                    out.append(item)  # tokens rendered by the run's sink
                 else:
-                    out.extend(blocks.feed(reply.feed("".join(token.text for token in item))))
+                    out.append(render(item))
             if out and not last:
                 yield b"".join(out)
                 out = []
@@ -121,6 +133,7 @@ async def events(run: Run, first: Any, ident: str, options: ChatRequest, plan: C
         out.extend(schema.message_end(reason, sequence, counts(done)))
         yield b"".join(out)
     finally:
+        writes.parked(False)
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
 
@@ -137,7 +150,8 @@ async def messages(request: Request) -> Response:
         await run.watch(request, run.task)
         return JSONReply(answer(outcome(run.task), ident, options, plan, display, max_tokens))
     first = await first_batch(request, run)
-    return sse.EventStream(events(run, first, ident, options, plan, display, max_tokens), run.cancel.set)
+    chunks = chunkwrite.writer_of(request.scope)
+    return sse.EventStream(events(run, first, ident, options, plan, display, max_tokens, chunks), run.cancel.set)
 
 
 # -- counting ------------------------------------------------------------------------------------------------------

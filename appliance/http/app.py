@@ -34,7 +34,7 @@ from appliance.http.affinity import response_headers as affinity_headers
 from appliance.http.assets import web_dir
 from appliance.http.chunkwrite import SCOPE_KEY, ChunkWriter
 from appliance.http.errors import RETRY_AFTER_S, error_body, error_response
-from appliance.http.headwrite import HeldHeadTransport
+from appliance.http.headwrite import HeldHeadTransport, Wire
 from appliance.http.lazyroutes import LazyRoutes
 from appliance.http.loginthrottle import LoginThrottle
 from appliance.http.openai_schema import MAX_BODY_BYTES
@@ -269,7 +269,8 @@ class GuardedH11Protocol(H11Protocol):
     * a response's head leaves with the first write that follows it in the same event-loop step
       (:class:`~appliance.http.headwrite.HeldHeadTransport`): a small response is one socket write;
     * a streamed body's chunks may be written past the middlewares and h11 (:class:`~appliance.http.chunkwrite.
-      ChunkWriter`, in the request's scope).
+      ChunkWriter`, in the request's scope), from the loop or from the engine thread (every write of the
+      connection's holds its :class:`~appliance.http.headwrite.Wire`'s lock; the wire is closed before the socket).
     """
 
     def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
@@ -279,10 +280,12 @@ class GuardedH11Protocol(H11Protocol):
         self.appliance: Appliance = config.app.state.appliance  # type: ignore[attr-defined]
         self.timeout_keep_alive = self.appliance.config.http.keep_alive_timeout_s
         self.refused = False
+        self.wire = Wire(None)  # the socket's, once connected
         self._request_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.wire = Wire.of(transport)
         limit = self.appliance.config.max_connections
         if self.appliance.open_connections() > limit:  # this one included
             self.refused = True
@@ -292,6 +295,7 @@ class GuardedH11Protocol(H11Protocol):
         self._arm_request_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.wire.close()  # before asyncio closes the socket: no thread writes to it any more
         self._disarm_request_timer()
         super().connection_lost(exc)
 
@@ -310,7 +314,7 @@ class GuardedH11Protocol(H11Protocol):
         cycle = self.cycle
         super().handle_events()
         if self.cycle is not None and self.cycle is not cycle:  # a request began: its response gets one write
-            self.cycle.transport = HeldHeadTransport(self.transport, self.loop)  # type: ignore[assignment]
+            self.cycle.transport = HeldHeadTransport(self.transport, self.loop, self.wire)  # type: ignore[assignment]
             extensions = self.cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
             extensions[SCOPE_KEY] = ChunkWriter(self.cycle)  # its stream's chunks skip the middlewares and h11
 

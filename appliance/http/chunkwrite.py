@@ -8,12 +8,17 @@ that is all ``send`` would do: the response's head has gone out through ``send``
 client is still there, and the connection's write buffer is under its high-water mark (else ``send`` waits for it to
 drain: the caller sends that chunk through ``send``). The head and the body's end always go through ``send``.
 
+:meth:`ChunkWriter.write_now` is the same from another thread (the engine's, a stream's tokens): through
+:meth:`~appliance.http.headwrite.HeldHeadTransport.write_now`, its checks made under the connection's write lock,
+so that the body's end (h11 leaves ``SEND_BODY`` before uvicorn writes it) cannot come between them and the chunk.
+
 :class:`~appliance.http.app.GuardedH11Protocol` puts one in each request's ASGI scope (:func:`writer_of` finds it);
 :class:`~appliance.http.sse.EventStream` writes through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import h11
@@ -49,14 +54,31 @@ class ChunkWriter:
 
     def write(self, data: bytes) -> bool:
         """Write ``data`` (not empty) as one body chunk now; False when it must go through ``send`` instead."""
+        if not self.writable():
+            return False
+        self.cycle.transport.write(chunk(data))
+        return True
+
+    def writable(self) -> bool:
+        """Whether a chunk written now is all ``send`` would do (see the module docstring)."""
         cycle = self.cycle
         if cycle.disconnected or cycle.response_complete or not cycle.response_started or cycle.flow.write_paused:
             return False
         conn = cycle.conn
-        if conn.our_state is not h11.SEND_BODY or not isinstance(conn._writer, ChunkedWriter):  # h11 has no accessor
-            return False
-        cycle.transport.write(chunk(data))
-        return True
+        return conn.our_state is h11.SEND_BODY and isinstance(conn._writer, ChunkedWriter)  # h11 has no accessor
+
+    def write_now(self, render: Callable[[], bytes]) -> bool:
+        """Any thread: write ``render()`` as one body chunk (nothing for empty bytes) straight to the socket, when
+        nothing of the connection's is waiting to be written before it; False, with ``render`` not called, when it
+        must go through the loop instead."""
+
+        def framed() -> bytes | None:
+            if not self.writable():
+                return None
+            data = render()
+            return chunk(data) if data else b""
+
+        return self.cycle.transport.write_now(framed)
 
 
 def writer_of(scope: dict[str, Any]) -> ChunkWriter | None:

@@ -250,7 +250,7 @@ class Run:
         self.grammar_param = "response_format" if options.response_grammar is not None else "tools"
         self.cancel = threading.Event()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.direct: Callable[[list[Token]], bool] | None = None  # set by a stream waiting for tokens (events)
+        self.direct: Callable[[list[Token]], bool] | None = None  # set by a stream waiting for tokens (TokenWrites)
         self.param = "X-Agent-Id" if AGENT_HEADER in request.headers else "user"
         self.registrations = registrations(request)
         client = request.scope.get("client") or ("?", 0)
@@ -510,24 +510,16 @@ async def events(run: Run, first: Any, shape: Shape, chunks: ChunkWriter | None 
     goes with the first tokens, and the end (last chunks, usage, ``[DONE]``) with whatever came just before it. If
     the stream stops early (its client left), the generation is cancelled.
 
-    With the request's ``chunks`` writer, a delivery of tokens that comes while the stream waits for one (nothing
-    queued, nothing being written) is written at once by the run's sink, the same bytes in the same order, without
-    waking this generator (``write_now``); one the writer cannot take now is queued as its bytes."""
+    With the request's ``chunks`` writer, tokens that come while the stream waits for them are written without
+    waking this generator (:class:`~appliance.http.sse.TokenWrites`)."""
 
-    def write_now(tokens: list[Token]) -> bool:
-        if chunks is None or not run.queue.empty():  # behind what is queued (a ping, the end): in order
-            return False
-        data = b"".join(shape.tokens(tokens))
-        if data and not chunks.write(data):
-            run.queue.put_nowait(data)  # rendered: written through send, after what was written before
-        return True
+    def render(batch: Sequence[Token]) -> bytes:
+        return b"".join(shape.tokens(batch))
 
-    def parked(waiting: bool) -> None:
-        run.direct = write_now if waiting else None
-
+    writes = sse.TokenWrites(run, render, chunks)
     try:
         out = shape.opening()
-        async for items, last in sse.deliveries(run.queue, first, END, parked):
+        async for items, last in sse.deliveries(run.queue, first, END, writes.parked):
             for item in items:
                 out.extend((item,) if isinstance(item, bytes) else shape.tokens(item))  # a ping, rendered tokens
             if out and not last:
@@ -545,7 +537,7 @@ async def events(run: Run, first: Any, shape: Shape, chunks: ChunkWriter | None 
         out.append(schema.event("[DONE]"))
         yield b"".join(out)
     finally:
-        run.direct = None
+        writes.parked(False)
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
 

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,14 +40,13 @@ from appliance.engine.chat import Message
 from appliance.engine.interface import Token
 from appliance.engine.reply import ReplyStream
 from appliance.errors import ApplianceError
+from appliance.http import chunkwrite, sse
 from appliance.http import openai_schema as chat_schema
 from appliance.http import responses_schema as schema
-from appliance.http import sse
 from appliance.http.errors import error_body
 from appliance.http.jsonreply import JSONReply
 from appliance.http.openai import (
     END,
-    PING,
     ChatPlan,
     Done,
     Run,
@@ -236,17 +235,24 @@ def release_unstored(request: Request, daemon: Daemon, turn: Turn, run: Run) -> 
 
 async def stream(request: Request, daemon: Daemon, turn: Turn, run: Run, first: Any) -> AsyncIterator[bytes]:
     """The SSE body: ``response.created`` and ``in_progress``, the output's events as tokens come, then
-    ``response.completed`` (or ``incomplete``); an error after the start is one ``error`` event."""
+    ``response.completed`` (or ``incomplete``); an error after the start is one ``error`` event. Tokens that come
+    while the stream waits for them are written without waking this generator
+    (:class:`~appliance.http.sse.TokenWrites`)."""
+
+    def render(batch: Sequence[Token]) -> bytes:
+        return b"".join(schema.event(payload) for payload in turn.feed(token_text(batch)))
+
+    writes = sse.TokenWrites(run, render, chunkwrite.writer_of(request.scope))
     try:
         opening = turn.document("in_progress", None)
         out = [schema.event({"type": "response.created", "response": opening, "sequence_number": 0}),
                schema.event({"type": "response.in_progress", "response": opening, "sequence_number": 1})]
-        async for items, last in sse.deliveries(run.queue, first, END):  # what is ready together: one write
+        async for items, last in sse.deliveries(run.queue, first, END, writes.parked):  # ready together: one write
             for item in items:
-                if item is PING:
-                    out.append(PING)
+                if isinstance(item, bytes):
+                    out.append(item)  # a ping, or tokens rendered by the run's sink
                 else:
-                    out.extend(schema.event(payload) for payload in turn.feed(token_text(item)))
+                    out.append(render(item))
             if out and not last:
                 yield b"".join(out)
                 out = []
@@ -263,12 +269,13 @@ async def stream(request: Request, daemon: Daemon, turn: Turn, run: Run, first: 
         out.append(schema.event({"type": kind, "response": document, "sequence_number": turn.output.sequence}))
         yield b"".join(out)
     finally:
+        writes.parked(False)
         if not run.task.done():
             run.cancel.set()  # the client left: the engine stops at its next token
         release_unstored(request, daemon, turn, run)
 
 
-def token_text(batch: list[Token]) -> str:
+def token_text(batch: Sequence[Token]) -> str:
     return "".join(token.text for token in batch)
 
 

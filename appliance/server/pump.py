@@ -16,7 +16,11 @@ things, which :class:`TokenPump` does once:
   :meth:`TokenPump.on_token` until the receiver read the backlog down to
   :data:`~appliance.server.peer.STREAM_LOW_WATER`; a receiver that reads nothing for ``stall_timeout_s`` gets the
   generation cancelled (:attr:`TokenPump.stalled` tells the surface to answer TIMEOUT). While a stream is paused
-  the engine thread is held, so other generations on the device wait too, for ``stall_timeout_s`` at most.
+  the engine thread is held, so other generations on the device wait too, for ``stall_timeout_s`` at most;
+* writing on the engine thread: while the surface sets :attr:`TokenPump.writer`, a token that finds nothing queued
+  before it is handed to it on the engine thread (the surface writes it to its connection itself: no wake-up of the
+  loop); a token it does not take goes the loop's way. The pump's lock keeps the two ways in order: a delivery on
+  the loop and a token handed to the writer never run at once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +42,11 @@ if TYPE_CHECKING:
 
 Sink = Callable[[list["Token"]], bool]
 """Delivers a batch of tokens on the loop; returns False when the receiver is gone (the generation is cancelled)."""
+
+Writer = Callable[["Token"], bool]
+"""Writes one token on the engine thread; returns False when it cannot now (the token goes to the loop instead)."""
+
+log = logging.getLogger(__name__)
 
 FLOW_POLL_S = 0.05
 """How often a paused stream looks at its receiver's backlog (on the loop) and the engine thread at ``cancel``."""
@@ -76,6 +86,8 @@ class TokenPump:
         self._flowing.set()
         self._paused_at = 0.0
         self._flow_timer: asyncio.TimerHandle | None = None
+        self.writer: Writer | None = None  # set and cleared by the surface, on the loop
+        self._lock = threading.Lock()  # a delivery on the loop, or a token handed to the writer
 
     def __enter__(self) -> TokenPump:
         self.start()
@@ -95,6 +107,8 @@ class TokenPump:
         stream is paused, wait here (the generation's next token waits) until it flows again or is cancelled."""
         if self._finished:
             return
+        if self.writer is not None and self._write(token):
+            return
         self._pending.append(token)
         if not self._scheduled:
             self._scheduled = True
@@ -103,6 +117,26 @@ class TokenPump:
         while not self._flowing.wait(FLOW_POLL_S):
             if self.cancel.is_set() or self._finished:
                 return
+
+    def _write(self, token: Token) -> bool:
+        """On the engine thread: hand ``token`` to the writer, if nothing is queued or being delivered before it
+        and the stream flows; True when it was written."""
+        with self._lock:
+            writer = self.writer
+            if writer is None or self._finished or self._gone or self._pending or self._scheduled:
+                return False
+            if not self._flowing.is_set():
+                return False
+            try:
+                written = writer(token)
+            except Exception:
+                log.exception("a stream's writer failed on the engine thread: its tokens go through the loop")
+                self.writer = None
+                return False
+            if written:
+                self.delivered += 1
+                self._last = time.monotonic()
+            return written
 
     @property
     def paused(self) -> bool:
@@ -114,24 +148,26 @@ class TokenPump:
             self._timer.cancel()
             self._timer = None
         self._deliver()
-        self._finished = True
+        with self._lock:
+            self._finished = True
         self._resume()
 
     def _deliver(self) -> None:
         """On the loop: every token queued so far, in one call of the sink."""
-        self._scheduled = False  # before draining: a token queued from now on schedules another delivery
-        if self._finished or not self._pending:
-            return
-        tokens = []
-        while self._pending:
-            tokens.append(self._pending.popleft())
-        if self._gone:
-            return
-        if not self.sink(tokens):
-            self._gone = True
-            self.cancel.set()  # nobody is listening any more: stop at the next token
-            return
-        self.delivered += len(tokens)
+        with self._lock:
+            self._scheduled = False  # before draining: a token queued from now on schedules another delivery
+            if self._finished or not self._pending:
+                return
+            tokens = []
+            while self._pending:
+                tokens.append(self._pending.popleft())
+            if self._gone:
+                return
+            if not self.sink(tokens):
+                self._gone = True
+                self.cancel.set()  # nobody is listening any more: stop at the next token
+                return
+            self.delivered += len(tokens)
         self._last = time.monotonic()
         if self.backlog is not None and not self.paused and self.backlog() > STREAM_HIGH_WATER:
             self._pause()

@@ -216,13 +216,35 @@ def test_requests_waiting_for_a_stream_get_more_streams_at_once() -> None:
     assert tuner.decide(0) == Tuning(1280, "S", 2, streams=5)
     tuner.applied(tuner.decide(0))
     assert tuner.stream_demand(12) is True and tuner.decide(0).streams == 8  # at most live_slots
-    assert tuner.stream_demand(12) is False  # asked for already
+    assert tuner.stream_demand(12) is True  # not served yet: asked again (the daemon's one retune at a time)
     tuner.applied(tuner.decide(0))
+    assert tuner.stream_demand(12) is False  # served: as many as live_slots
     for _ in range(SETTINGS.window_size):  # the floor goes with the window: the profile's 2 again
         tuner.observe(sample(TURN, 2))
     assert tuner.decide(0).streams == 2
     unified = Tuner(SETTINGS, 16384, 2)
     assert unified.stream_demand(5) is False  # one pool: its sequences are live_slots already
+
+
+def test_a_demand_for_streams_that_built_nothing_is_asked_again() -> None:
+    """A retune that served no stream demand (the ledger refused the larger context, or a queue floor stopped the
+    switch) leaves the context as it was: the next request that finds every stream busy asks again (before, the
+    floor the first demand set made it 'asked for already', and the waiting requests waited for whole generations
+    until the window turned over)."""
+    tuner = Tuner(SETTINGS, 16384, 2)
+    for _ in range(MIN_SAMPLES):
+        tuner.observe(sample(TURN, 4))
+    tuner.applied(tuner.decide(0))
+    assert tuner.current.streams == 4
+    assert tuner.stream_demand(8) is True
+    assert tuner.decide(0).streams == 8
+    tuner.applied(tuner.current)  # the switch built nothing: still 4 streams
+    for _ in range(3):
+        tuner.observe(sample(TURN, 4))  # requests of the 4 streams end
+        assert tuner.stream_demand(8) is True  # the 4 waiting ask again
+        assert tuner.decide(0).streams == 8
+    tuner.applied(tuner.decide(0))
+    assert tuner.stream_demand(8) is False
 
 
 @pytest.mark.parametrize(("samples", "lighter"), [

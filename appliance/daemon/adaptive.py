@@ -329,10 +329,13 @@ class AdaptiveLoop:
     def short_of_streams(self, model: Model, wanted: int) -> None:
         """Every stream of ``model``'s split context is busy and ``wanted`` requests want one (in flight and
         waiting): more streams now when its tuner says so."""
-        if model.runtime is None or not self.tuner(model).stream_demand(wanted):
+        tuner = self.tuner(model)
+        floor = tuner.stream_floor
+        if model.runtime is None or not tuner.stream_demand(wanted):
             return
-        log.info("model %s: %d requests want a KV stream, the context has %d: more streams", model.key, wanted,
-                 model.runtime.tuning.streams)
+        if tuner.stream_floor > floor:
+            log.info("model %s: %d requests want a KV stream, the context has %d: more streams", model.key, wanted,
+                     model.runtime.tuning.streams)
         self.schedule(model)
 
     async def grow_for(self, model: Model, cells: int) -> bool:

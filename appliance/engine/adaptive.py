@@ -321,15 +321,17 @@ class Tuner:
 
     def stream_demand(self, wanted: int) -> bool:
         """Every stream of the split context is busy and ``wanted`` requests want one (in flight and waiting): True
-        when the context should have more streams (:meth:`decide` asks for them at once, and keeps them while the
-        next ``window_size`` requests are observed)."""
+        while the context has fewer streams than that (:meth:`decide` asks for them at once, and keeps them while
+        the next ``window_size`` requests are observed). A demand asked for before and not served yet (its retune
+        still running, or one that built nothing: the ledger, a queue floor) is True again: the daemon runs one
+        retune at a time, so a demand repeated meanwhile is one more retune after it, not one lost."""
         current = self.current
         if not self.settings.adaptive or not current.split:
             return False
         wanted = min(wanted, self.settings.live_slots)
-        if wanted <= max(current.streams, self.stream_floor):
+        if wanted <= current.streams:
             return False
-        self.stream_floor = wanted
+        self.stream_floor = max(self.stream_floor, wanted)
         self.stream_floor_until = self.profile.observed + self.settings.window_size
         return True
 

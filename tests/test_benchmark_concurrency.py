@@ -37,16 +37,32 @@ def test_parse_batched_bench_reads_every_row() -> None:
 
 
 def test_batched_bench_refuses_output_missing_a_requested_row(tmp_path: Path) -> None:
-    """A run that exits 0 with fewer rows than asked (seen once: the 1-sequence row only) is an error that shows
-    the output, not a shorter table."""
+    """Runs that exit 0 with fewer rows than asked (seen: the 1-sequence row only), every time, are an error that
+    shows the output, not a shorter table."""
     binary = tmp_path / "llama-batched-bench"
-    binary.write_text(f"#!/bin/sh\ncat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n")
+    binary.write_text(f"#!/bin/sh\necho run >> {tmp_path / 'runs'}\ncat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n")
     os.chmod(binary, 0o755)
     model = tmp_path / "model.gguf"
     rows = peer.batched_bench(binary, model, threads=2, n_parallel=(1, 4))
     assert [r["n_parallel"] for r in rows] == [1, 4]
-    with pytest.raises(RuntimeError, match=r"no row for \[2, 8\] parallel sequences:\n(.|\n)*S_TG t/s"):
+    (tmp_path / "runs").unlink()
+    with pytest.raises(RuntimeError, match=r"no row for \[2, 8\] parallel sequences in 3 runs:\n(.|\n)*S_TG t/s"):
         peer.batched_bench(binary, model, threads=2, n_parallel=(1, 2, 4, 8))
+    assert (tmp_path / "runs").read_text().count("run") == peer.BATCHED_BENCH_ATTEMPTS
+
+
+def test_batched_bench_runs_again_when_a_run_stops_after_its_first_row(tmp_path: Path) -> None:
+    """The first run prints the 1-sequence row only (as llama-batched-bench sometimes does), the next one every
+    row: the table is the next run's."""
+    first_row_only = "\n".join(BATCHED_BENCH_OUTPUT.splitlines()[:5])
+    binary = tmp_path / "llama-batched-bench"
+    runs = tmp_path / "runs"
+    binary.write_text(f"#!/bin/sh\nif [ -f {runs} ]; then cat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n"
+                      f"else touch {runs}; cat <<'EOF'\n{first_row_only}\nEOF\nfi\n")
+    os.chmod(binary, 0o755)
+    rows = peer.batched_bench(binary, tmp_path / "model.gguf", threads=2, n_parallel=(1, 4))
+    assert [r["n_parallel"] for r in rows] == [1, 4]
+    assert runs.exists()
 
 
 def test_peer_build_pins_the_projects_llama_cpp_python_and_returns_a_cached_build_at_once(tmp_path: Path) -> None:

@@ -152,6 +152,11 @@ PAIRS = {"defaults": ("appliance_defaults", "llama_server_defaults"),
          "flash_off": ("appliance_flash_off", "llama_server_flash_off")}
 """The side-by-side comparisons: each on its own defaults, and with flash attention equal (on; off)."""
 
+SAME_SETTINGS = {"appliance": ("appliance_defaults", "appliance_flash_on"),
+                 "llama_server": ("llama_server_defaults", "llama_server_flash_on")}
+"""Two servers of one kind that run the same settings once the defaults' flash attention ``auto`` resolved to on:
+their ratio is what this run's noise alone makes of a ratio (an A/A pair)."""
+
 
 def engine_settings(path: PathSpec, threads: int) -> dict[str, int | bool]:
     """The ``engine:`` keys the appliance runs with on ``path``; the one place :data:`SLOTS_KEY` is set. Flash
@@ -330,6 +335,13 @@ def warm_up(base_url: str, kind: str) -> None:
             raise RuntimeError(f"warm-up request failed: {result.error}")
 
 
+def appliance_flash(base_url: str) -> bool | None:
+    """Whether the appliance's live context runs flash attention (its ``/v1/health``: llama.cpp's choice under
+    ``auto``); None when it has no live context."""
+    contexts = httpx.get(base_url + "/v1/health", timeout=10).json().get("contexts", [])
+    return contexts[0]["flash_attention"] if contexts else None
+
+
 def burst_figures(streams: Sequence[Stream]) -> tuple[float, float, list[float]] | None:
     """One burst's aggregate tokens/s, wall time and TTFTs (ms), or None when a stream failed or got no token."""
     if any(s.error is not None or s.first_token is None or s.last_token is None for s in streams):
@@ -379,14 +391,16 @@ class Served:
 
 
 @contextlib.contextmanager
-def appliance_server(model: Path, path: PathSpec, args: argparse.Namespace) -> Iterator[Served]:
-    """The appliance in its own process with ``path``'s engine settings, once it answers ``/v1/health``."""
+def appliance_server(model: Path, path: PathSpec, args: argparse.Namespace, n: int) -> Iterator[Served]:
+    """The appliance in its own process with ``path``'s engine settings, once it answers ``/v1/health`` (for the
+    bursts of ``n`` agents)."""
     state = Path(tempfile.mkdtemp(prefix="ap-conc-"))  # short: AF_UNIX paths are limited to 108 bytes
     port = free_port()
     config = concurrency_config(model, state, n_ctx=args.n_ctx, http_port=port,
                                 engine=engine_settings(path, args.threads))
     (state / "appliance.yaml").write_text(config)
-    proc = Process([sys.executable, "-m", "appliance", "--log-level", "warning", "run", "--config",
+    level = "warning" if args.keep_logs is None else "info"
+    proc = Process([sys.executable, "-m", "appliance", "--log-level", level, "run", "--config",
                     str(state / "appliance.yaml")], state / "appliance.log")
     base_url = f"http://127.0.0.1:{port}"
 
@@ -398,7 +412,18 @@ def appliance_server(model: Path, path: PathSpec, args: argparse.Namespace) -> I
         yield Served(base_url, proc.proc.pid, proc.log)
     finally:
         proc.stop()
+        keep_log(args, n, state / "appliance.log", f"{path.name}.log")
         shutil.rmtree(state, ignore_errors=True)
+
+
+def keep_log(args: argparse.Namespace, n: int, log: Path, name: str) -> None:
+    """With ``--keep-logs DIR``: ``log`` copied into ``DIR/N<agents>/name`` (a server's log is gone with its
+    temporary folder otherwise, and a flaky round cannot be read afterwards)."""
+    if args.keep_logs is None or not log.exists():
+        return
+    folder = args.keep_logs / f"N{n}"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(log, folder / name)
 
 
 @contextlib.contextmanager
@@ -407,9 +432,12 @@ def llama_server(binary: Path, model: Path, n: int, path: PathSpec, args: argpar
     64 spare)."""
     slot_ctx = args.prompt_tokens + args.tokens + 64
     log = Path(tempfile.gettempdir()) / f"conc-{path.name}-{n}.log"
-    with peer.LlamaServer(binary, model, n_parallel=n, threads=args.threads, n_ctx=slot_ctx, log=log,
-                          flash_attention=path.flash_attention) as server:
-        yield Served(server.base_url, server.pid, log)
+    try:
+        with peer.LlamaServer(binary, model, n_parallel=n, threads=args.threads, n_ctx=slot_ctx, log=log,
+                              flash_attention=path.flash_attention) as server:
+            yield Served(server.base_url, server.pid, log)
+    finally:
+        keep_log(args, n, log, f"{path.name}.log")
 
 
 def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] | None,
@@ -423,16 +451,19 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
         servers: dict[str, Served] = {}
         for path in paths:
             if path.kind == "appliance":
-                servers[path.name] = stack.enter_context(appliance_server(model, path, args))
+                servers[path.name] = stack.enter_context(appliance_server(model, path, args, n))
             else:
                 assert binaries is not None
                 servers[path.name] = stack.enter_context(llama_server(binaries["llama-server"], model, n, path,
                                                                       args))
+        resolved: dict[str, bool | None] = {}
         for path in paths:
             try:
                 warm_up(servers[path.name].base_url, path.kind)
             except RuntimeError as exc:
                 raise RuntimeError(f"{path.label}: {exc}\nserver log:\n{servers[path.name].tail()}") from exc
+            if path.kind == "appliance":
+                resolved[path.name] = appliance_flash(servers[path.name].base_url)
         bursts: dict[str, dict[int, list[Stream]]] = {path.name: {} for path in paths}
 
         def one_round(attempt: int) -> None:
@@ -457,6 +488,8 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
             entry = summarize_bursts(kept, kept_prompts, args.tokens, peer.peak_rss_bytes(served.pid))
             if entry["errors"]:
                 entry["server_log_tail"] = served.tail()
+            if path.kind == "appliance":
+                entry["flash_attention_resolved"] = resolved[path.name]
             out[path.name] = entry
     return out, rounds
 
@@ -545,6 +578,32 @@ def comparisons(results: dict[str, dict[str, Any]], agents: Sequence[int]) -> di
     return out
 
 
+def same_settings(results: dict[str, dict[str, Any]], flash_resolved: dict[str, str],
+                  agents: Sequence[int]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per kind of server (:data:`SAME_SETTINGS`) and N, the tokens/s and TTFT P99 of its defaults over its flash-on
+    server when the defaults ran flash attention too (the appliance's ``/v1/health``; llama-server's log, probed):
+    two identical servers, so how far these move from 1.0 is this run's noise. A kind is left out when a side is
+    absent or its defaults did not resolve to flash attention on."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for kind, (defaults, flash_on) in SAME_SETTINGS.items():
+        if defaults not in results or flash_on not in results:
+            continue
+        cells: dict[str, dict[str, float | None]] = {}
+        for n in agents:
+            mine = results[defaults].get(str(n), {})
+            other = results[flash_on].get(str(n), {})
+            if kind == "appliance":
+                same = mine.get("flash_attention_resolved") is True
+            else:
+                same = flash_resolved.get(defaults, "").endswith("enabled")
+            if same:
+                cells[str(n)] = {"tok_s": ratio(mine.get("tokens_per_s"), other.get("tokens_per_s")),
+                                 "ttft_p99": ratio(mine.get("ttft_p99_ms"), other.get("ttft_p99_ms"))}
+        if cells:
+            out[kind] = cells
+    return out
+
+
 def target_rows(compared: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
     """Every target with its value (a ratio) and whether it is met (None: a side is absent, or N not run): on
     defaults, tokens/s >= llama-server's and TTFT P99 <= llama-server's at every N; the appliance on defaults >=
@@ -590,7 +649,8 @@ def noisy_rounds(rounds: dict[str, dict[str, Any]]) -> list[str]:
 
 def headline(args: argparse.Namespace, results: dict[str, dict[str, Any]],
              compared: dict[str, dict[str, float | None]], notes: dict[str, str],
-             rounds: dict[str, dict[str, Any]], targets: list[dict[str, Any]]) -> str:
+             rounds: dict[str, dict[str, Any]], targets: list[dict[str, Any]],
+             same: dict[str, dict[str, dict[str, float | None]]]) -> str:
     def fmt(value: float | None, suffix: str = "x") -> str:
         return "n/a" if value is None else f"{value:.2f}{suffix}"
 
@@ -616,6 +676,11 @@ def headline(args: argparse.Namespace, results: dict[str, dict[str, Any]],
         cells = ", ".join(f"N={n} {fmt(c['adaptive_vs_fixed_tok_s'])}" for n, c in compared.items())
         p99 = ", ".join(fmt(c["adaptive_vs_fixed_ttft_p99"]) for c in compared.values())
         parts.append(f"adaptive / fixed tok/s {cells} (TTFT P99 {p99})")
+    for kind, cells_by_n in same.items():
+        cells = ", ".join(f"N={n} {fmt(c['tok_s'])}" for n, c in cells_by_n.items())
+        p99 = ", ".join(fmt(c["ttft_p99"]) for c in cells_by_n.values())
+        parts.append(f"A/A ({kind.replace('_', '-')} defaults / flash on, the same settings) tok/s {cells} "
+                     f"(TTFT P99 {p99})")
     known = [row for row in targets if row["met"] is not None]
     parts.append(f"targets met {sum(1 for row in known if row['met'])}/{len(known)}")
     noisy = noisy_rounds(rounds)
@@ -631,6 +696,7 @@ def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt]
            wall_s: float, load: dict[str, float]) -> dict[str, Any]:
     compared = comparisons(results, args.agents)
     targets = target_rows(compared)
+    same = same_settings(results, flash_resolved, args.agents)
     complete = all(entry["tokens_complete"] for path in paths if path.strict
                    for entry in results[path.name].values())
     return {
@@ -644,7 +710,7 @@ def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt]
                               "strict": path.strict, "by_agents": results[path.name]}
                   for path in paths},
         "llama_batched_bench": ceiling, "llama_server_flash_attention": flash_resolved, "notes": notes,
-        "comparisons": compared, "targets": targets,
+        "comparisons": compared, "same_settings": same, "targets": targets,
         "meets_targets": {row["key"]: row["met"] for row in targets}, "tokens_complete": complete,
         "texts_match_solo": texts_match_solo(results),
         "solo_texts": [p.solo for p in prompts], "prompts": [p.text for p in prompts],
@@ -653,9 +719,11 @@ def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt]
                  "median of the kept rounds; ttft = first streamed text - request sent, per agent (client side); "
                  "peak_rss_bytes = VmHWM of the server process; comparisons = appliance / llama-server "
                  "(adaptive_vs_fixed_*: the appliance on defaults / with engine.adaptive: false); "
+                 "same_settings = defaults / flash on of one kind of server when both ran flash attention (an A/A "
+                 "pair: the run's noise); "
                  "flash_attention null = the server's own default; llama_batched_bench gen_tok_s = generation "
                  "tokens/s of all sequences together",
-        "headline": headline(args, results, compared, notes, rounds, targets),
+        "headline": headline(args, results, compared, notes, rounds, targets, same),
     }
 
 
@@ -693,6 +761,10 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"N={n}: appliance / llama-server {cells}")
         print(f"N={n}: adaptive / fixed tok/s {times(c.get('adaptive_vs_fixed_tok_s'))}, TTFT P99 "
               f"{times(c.get('adaptive_vs_fixed_ttft_p99'))}")
+    for kind, cells_by_n in r["same_settings"].items():
+        cells = ", ".join(f"N={n} tok/s {times(c['tok_s'])}, TTFT P99 {times(c['ttft_p99'])}"
+                          for n, c in cells_by_n.items())
+        print(f"A/A, {kind.replace('_', '-')} defaults / flash on (the same settings: this run's noise): {cells}")
     for n, rounds in r["rounds_by_agents"].items():
         shares = ", ".join("-" if rec["foreign_share"] is None else f"{rec['foreign_share']:.0%}"
                            + ("" if rec["kept"] else " dropped") for rec in rounds["records"])
@@ -728,6 +800,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="skip the flash-attention-off pair (appliance and llama-server)")
     p.add_argument("--n-ctx", type=int, default=2048, help="the appliance model's n_ctx")
     p.add_argument("--no-peer", action="store_true", help="skip llama-server and llama-batched-bench")
+    p.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                   help="run the appliances at log level info and keep every server's log in DIR/N<agents>/")
     p.add_argument("--build", action="store_true", help="build the peer first when it is not built")
     p.add_argument("--peer-cache", type=Path, default=None,
                    help="where the peer is built (default ~/.cache/appliance/llama.cpp-<pin>)")

@@ -169,6 +169,26 @@ def test_comparisons_divide_the_appliance_by_llama_server_per_pair() -> None:
     assert c["flash_off_tok_s"] is None and c["vs_one_at_a_time"] == pytest.approx(2.0)
 
 
+def test_same_settings_pairs_only_servers_whose_defaults_ran_flash_attention() -> None:
+    results = {"appliance_defaults": {"1": {"tokens_per_s": 90.0, "ttft_p99_ms": 30.0,
+                                            "flash_attention_resolved": True},
+                                      "2": {"tokens_per_s": 90.0, "ttft_p99_ms": 30.0,
+                                            "flash_attention_resolved": False}},
+               "appliance_flash_on": {"1": {"tokens_per_s": 100.0, "ttft_p99_ms": 20.0},
+                                      "2": {"tokens_per_s": 100.0, "ttft_p99_ms": 20.0}},
+               "llama_server_defaults": {"1": {"tokens_per_s": 110.0, "ttft_p99_ms": 40.0},
+                                         "2": {"tokens_per_s": 110.0, "ttft_p99_ms": 40.0}},
+               "llama_server_flash_on": {"1": {"tokens_per_s": 100.0, "ttft_p99_ms": 50.0},
+                                         "2": {"tokens_per_s": 100.0, "ttft_p99_ms": 50.0}}}
+    same = concurrency.same_settings(results, {"llama_server_defaults": "auto -> enabled"}, [1, 2])
+    assert same["appliance"] == {"1": {"tok_s": pytest.approx(0.9), "ttft_p99": pytest.approx(1.5)}}  # N=2: off
+    assert same["llama_server"]["2"] == {"tok_s": pytest.approx(1.1), "ttft_p99": pytest.approx(0.8)}
+    assert "llama_server" not in concurrency.same_settings(results, {"llama_server_defaults": "auto -> disabled"},
+                                                           [1, 2])
+    del results["appliance_flash_on"]
+    assert "appliance" not in concurrency.same_settings(results, {}, [1, 2])
+
+
 def test_config_sets_the_slots_and_only_the_asked_flash_attention(tmp_path: Path) -> None:
     defaults, fixed, single, flash_on, flash_off = concurrency.appliance_paths()
     for path, slots in ((defaults, concurrency.BATCHED_SLOTS), (fixed, concurrency.BATCHED_SLOTS), (single, 1),
@@ -231,6 +251,15 @@ def check_quick_result(r: dict[str, Any], printed: str) -> None:
         assert row["value"] == r["comparisons"][n]["adaptive_vs_fixed_tok_s"] and row["met"] == (row["value"] >= 1.0)
         assert f"N={n}: adaptive / fixed tok/s" in printed
     assert "adaptive / fixed tok/s N=1" in r["headline"]
+    for n in ("1", "2"):  # read from each appliance's /v1/health after its warm-up
+        assert isinstance(r["paths"]["appliance_flash_on"]["by_agents"][n]["flash_attention_resolved"], bool)
+    if r["paths"]["appliance_defaults"]["by_agents"]["1"]["flash_attention_resolved"]:  # an A/A pair: its ratios
+        defaults = r["paths"]["appliance_defaults"]["by_agents"]["1"]
+        flash_on = r["paths"]["appliance_flash_on"]["by_agents"]["1"]
+        assert r["same_settings"]["appliance"]["1"]["tok_s"] == pytest.approx(defaults["tokens_per_s"]
+                                                                               / flash_on["tokens_per_s"])
+        assert "A/A (appliance defaults / flash on, the same settings) tok/s N=1" in r["headline"]
+        assert "A/A, appliance defaults / flash on" in printed
     for row in r["targets"]:
         assert f"{row['target']}" in printed
     headlines = [line for line in printed.splitlines() if line.startswith("HEADLINE:")]
@@ -245,10 +274,13 @@ def test_concurrency_quick_with_the_peer_absent(tmp_path: Path, capsys: pytest.C
         pytest.skip(missing)
     out = tmp_path / "concurrency.json"
     rc = concurrency.main(["--quick", "--peer-cache", str(tmp_path / "no-peer"), "--model-dir",
-                           str(tmp_path / "models"), "--out", str(out)])
+                           str(tmp_path / "models"), "--out", str(out), "--keep-logs", str(tmp_path / "logs")])
     printed = capsys.readouterr().out
     r = json.loads(out.read_text())
     assert rc == 0, printed
+    for n in (1, 2):  # --keep-logs: each appliance's log, at level info, naming the agents of every round
+        log = (tmp_path / "logs" / f"N{n}" / "appliance_defaults.log").read_text()
+        assert f"agent appliance_defaults-{n}-r0-agent{n - 1}@bench registered" in log, log[-2000:]
     assert set(r["paths"]) == {"appliance_defaults", "appliance_fixed", "appliance_one_at_a_time",
                                "appliance_flash_on", "appliance_flash_off"}
     for name in ("llama_server_defaults", "llama_server_flash_on", "llama_server_flash_off"):

@@ -57,14 +57,15 @@ def test_a_request_that_joins_extends_the_window_within_the_span() -> None:
     assert burst.gather_span(0.9 * burst.GATHER_MIN_S / burst.GATHER_SHARE) == 0.0  # too quick: no window at all
 
 
-def test_the_first_step_waits_for_the_window_then_for_starts_still_queued_within_the_span() -> None:
-    until, limit = 100.010, 100.050
-    assert burst.gather_wait(100.004, until, limit, starting=0) == pytest.approx(0.006)
-    assert burst.gather_wait(100.004, until, limit, starting=3) == pytest.approx(0.006)
-    assert burst.gather_wait(100.020, until, limit, starting=0) == 0.0  # the window is over, no start waits
-    assert burst.gather_wait(100.020, until, limit, starting=2) == burst.GATHER_POLL_S
-    assert burst.gather_wait(100.0495, until, limit, starting=2) == pytest.approx(0.0005)
-    assert burst.gather_wait(100.050, until, limit, starting=2) == 0.0  # the span is over: go with what came
+def test_the_first_step_waits_for_the_window_then_for_requests_on_their_way_up_to_a_cap() -> None:
+    opened, until = 100.0, 100.010
+    last = opened + burst.GATHER_PENDING_MAX_S
+    assert burst.gather_wait(100.004, until, opened, pending=0) == pytest.approx(0.006)
+    assert burst.gather_wait(100.004, until, opened, pending=3) == pytest.approx(0.006)
+    assert burst.gather_wait(100.020, until, opened, pending=0) == 0.0  # the window is over, nothing on its way
+    assert burst.gather_wait(100.020, until, opened, pending=2) == burst.GATHER_POLL_S
+    assert burst.gather_wait(last - 0.0005, until, opened, pending=2) == pytest.approx(0.0005)
+    assert burst.gather_wait(last, until, opened, pending=2) == 0.0  # the cap: go with what came
 
 
 def test_the_pace_ignores_decode_steps_and_follows_prompt_steps() -> None:
@@ -191,4 +192,42 @@ def test_starts_that_each_outlast_the_window_all_join_the_first_step(tmp_path: P
 
     batch, sizes, together, alone = asyncio.run(scenario())
     assert batch == sum(sizes)  # the four prompts in one step
+    assert together == alone
+
+
+def test_a_request_whose_agent_is_still_being_registered_joins_the_first_step(tmp_path: Path, tiny_model: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stateless request opens a burst while another client's new agent is being registered (its store commit
+    takes longer than the window): the first step waits for that agent's first request and evaluates both prompts;
+    before, it went once the window was over, and the agent's prompt waited for the whole step."""
+    daemon = make_daemon(tmp_path, tiny_model)
+    real_commit = daemon.commit_agent
+
+    async def slow_commit(agent):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.060)  # a registration's store commit on a busy box, longer than the window
+        return await real_commit(agent)
+
+    async def registered_then_decoded(prompt: str):  # type: ignore[no-untyped-def]
+        await daemon.register("late", "m")
+        return await daemon.decode("late", 6, prompt, GREEDY)
+
+    async def scenario() -> tuple[int, list[int], list[str], list[str]]:
+        try:
+            alone = [(await daemon.complete("m", 6, prompt, GREEDY)).generation.text for prompt in PROMPTS]
+            model_state = daemon.models["m"]
+            pace = RecordingPace(1.0)
+            model_state.runtime.slots.pace = pace
+            sizes = [await daemon.count("m", prompt) for prompt in PROMPTS]
+            monkeypatch.setattr(daemon, "commit_agent", slow_commit)
+            late = asyncio.ensure_future(registered_then_decoded(PROMPTS[1]))
+            while model_state.registering == 0:
+                await asyncio.sleep(0.0005)
+            first = await daemon.complete("m", 6, PROMPTS[0], GREEDY)
+            second = await late
+            return pace.batches[0], sizes, [first.generation.text, second.generation.text], alone
+        finally:
+            await daemon.close()
+
+    batch, sizes, together, alone = asyncio.run(scenario())
+    assert batch == sum(sizes)  # both prompts in one step
     assert together == alone

@@ -15,8 +15,9 @@ loop's hops, never waits.
 Each request that joins extends the window by its length from when it joined (:func:`extended`), within a span
 from the opening (:func:`gather_span`). A start can outlast the window: one that parks an idle conversation to
 make room copies its KV out first (6-7 ms for a 128-cell conversation of a 12x768 model), so in a burst after a
-burst, eight starts take some 50 ms on the engine thread. So the first step also waits, within the span, while
-starts of the model are queued or running (:func:`gather_wait`). Without both, the first step was queued while
+burst, eight starts take some 50 ms on the engine thread. So the first step also waits while starts of the model
+are queued or running, and while agents are being registered on it (a new agent's first request), at most
+:data:`GATHER_PENDING_MAX_S` from the opening (:func:`gather_wait`). Without both, the first step was queued while
 some starts still waited, and the engine serving its queues in turn ran it between two of them: a burst of 8
 was evaluated as 2 + 6, 4 + 4 or 5 + 3 prompts, the later group's first tokens one whole prefill later.
 """
@@ -36,6 +37,16 @@ conversation ran one after the other for 48-68 ms on the engine thread against a
 quarter the last two or three missed the span (measured, 12x768 model, 64-token prompts)."""
 GATHER_SPAN_MAX_S = 0.080
 """The longest a burst gathers from its opening, extensions included."""
+GATHER_PENDING_MAX_S = 0.200
+"""The longest a burst's first step waits from its opening while requests of the model are still on their way to
+it: starts queued or running on the engine thread, agents being registered (their first request's start comes
+next). Those are known arrivals: one that misses the step waits for the whole of it (every gathered prompt's
+evaluation) before its own, while waiting costs the gathered ones only the arrivals' own work (a start that parks
+an idle conversation: 6-15 ms; a registration: its store commit). Measured before this cap existed, when the
+first step waited for queued starts within the span only (at most half the first prompt's expected evaluation,
+some 25-30 ms for a 64-token prompt of the 12x768 model): 8 agents sending together, in bursts after the first,
+reached the engine over 25-40 ms (their registrations, the parks), and their first tokens came in two groups (2 +
+6, 1 + 7), the later group's one whole prefill later (``benchmarks/concurrency.py --keep-logs``)."""
 GATHER_POLL_S = 0.001
 """How often the first step looks again whether the starts it waits for are over."""
 
@@ -66,12 +77,13 @@ def extended(until: float, limit: float, now: float, window: float) -> float:
     return max(until, min(limit, now + window))
 
 
-def gather_wait(now: float, until: float, limit: float, starting: int) -> float:
-    """Seconds the first step of a burst waits from ``now`` before it looks again (0: it goes now): until the
-    window's end (``until``), then while ``starting`` starts of the model are queued or running and the span
-    (``limit``) is not over."""
+def gather_wait(now: float, until: float, opened: float, pending: int) -> float:
+    """Seconds the first step of a burst opened at ``opened`` waits from ``now`` before it looks again (0: it goes
+    now): until the window's end (``until``), then while ``pending`` requests of the model are on their way (starts
+    queued or running, agents being registered), :data:`GATHER_PENDING_MAX_S` from the opening at most."""
     if now < until:
         return until - now
-    if starting > 0 and now < limit:
+    limit = opened + GATHER_PENDING_MAX_S
+    if pending > 0 and now < limit:
         return min(GATHER_POLL_S, limit - now)
     return 0.0

@@ -377,8 +377,10 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
                                                     "unregistered, or expire (agent_idle_ttl_s), first",
                                  {"max_agents": limit})
         self._claimed.add(agent_id)
+        model = None
         try:
             model = self.resolve(ref)
+            model.registering += 1  # a burst's first step waits for it (burst.gather_wait)
             model.refcount += 1  # held while loading, so an idle sweep cannot race the load
             try:
                 await self.acquire(model)
@@ -398,6 +400,8 @@ class Daemon(Requests, LiveContexts, HotReload, Durable, Dormancy):
             return agent
         finally:
             self._claimed.discard(agent_id)
+            if model is not None:
+                model.registering -= 1
 
     async def unregister(self, agent_id: str, reason: str = "UNREGISTER") -> None:
         agent = self.agent(agent_id)

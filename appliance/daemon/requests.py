@@ -78,16 +78,17 @@ def gathers(model: Model, runtime: Any, request: Request, began: float) -> bool:
     pool and its prompt is long enough (:func:`~appliance.daemon.burst.gather_window`); one whose start began while
     the window was open joins it and extends it (:func:`~appliance.daemon.burst.extended`)."""
     now = time.monotonic()
+    expected = runtime.slots.pace.seconds(request.evaluated)
     if began < model.gather_until:
         model.gather_until = burst.extended(model.gather_until, model.gather_limit, now, model.gather_window)
         return True
     if request.cold or len(runtime.slots.requests) != 1:
         return False
-    expected = runtime.slots.pace.seconds(request.evaluated)
     window = burst.gather_window(expected)
     if window <= 0:
         return False
     model.gather_window = window
+    model.gather_opened = began
     model.gather_limit = began + burst.gather_span(expected)
     model.gather_until = max(now, min(model.gather_limit, now + window))
     return True
@@ -127,12 +128,14 @@ def conversation_cells(agents: list[Agent]) -> list[int]:
 
 
 async def gathered(model: Model) -> None:
-    """Wait until the model's burst window (:func:`gathers`) is over, extensions and the starts still queued
-    within its span included (:func:`~appliance.daemon.burst.gather_wait`)."""
-    delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_limit, model.starting)
+    """Wait until the model's burst window (:func:`gathers`) is over, extensions, the starts still queued and the
+    agents still being registered included (:func:`~appliance.daemon.burst.gather_wait`)."""
+    delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_opened,
+                              model.starting + model.registering)
     while delay > 0:
         await asyncio.sleep(delay)
-        delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_limit, model.starting)
+        delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_opened,
+                                  model.starting + model.registering)
 
 
 async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:

@@ -78,12 +78,12 @@ def gathers(model: Model, runtime: Any, request: Request, began: float) -> bool:
     pool and its prompt is long enough (:func:`~appliance.daemon.burst.gather_window`); one whose start began while
     the window was open joins it and extends it (:func:`~appliance.daemon.burst.extended`)."""
     now = time.monotonic()
-    expected = runtime.slots.pace.seconds(request.evaluated)
     if began < model.gather_until:
         model.gather_until = burst.extended(model.gather_until, model.gather_limit, now, model.gather_window)
         return True
     if request.cold or len(runtime.slots.requests) != 1:
         return False
+    expected = runtime.slots.pace.seconds(request.evaluated)
     window = burst.gather_window(expected)
     if window <= 0:
         return False

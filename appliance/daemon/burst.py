@@ -42,13 +42,13 @@ GATHER_PENDING_MAX_S = 0.200
 it: starts queued or running on the engine thread, agents being registered (their first request's start comes
 next). Those are known arrivals: one that misses the step waits for the whole of it (every gathered prompt's
 evaluation) before its own, while waiting costs the gathered ones only the arrivals' own work (a start that parks
-an idle conversation: 6-15 ms; a registration: its store commit). Measured before this cap existed, when the
+an idle conversation: 6-18 ms; a registration: its store commit). Measured before this cap existed, when the
 first step waited for queued starts within the span only (at most half the first prompt's expected evaluation,
 some 25-30 ms for a 64-token prompt of the 12x768 model): 8 agents sending together, in bursts after the first,
 reached the engine over 25-40 ms (their registrations, the parks), and their first tokens came in two groups (2 +
 6, 1 + 7), the later group's one whole prefill later (``benchmarks/concurrency.py --keep-logs``)."""
 GATHER_POLL_S = 0.001
-"""How often the first step looks again whether the starts it waits for are over."""
+"""How often the first step looks again whether the requests it waits for (starts, registrations) are on their way."""
 
 
 def gather_window(expected_s: float | None) -> float:

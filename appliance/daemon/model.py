@@ -57,9 +57,9 @@ class Model:
     gather_until: float = 0.0  # time.monotonic() until which requests starting together wait for one first step
     gather_limit: float = 0.0  # how far requests joining the open window may extend gather_until (burst.gather_span)
     gather_opened: float = 0.0  # when the open window's first start began (burst.gather_wait's cap counts from it)
-    registering: int = 0  # agents being registered on it now: their first requests may join a burst's first step
     gather_window: float = 0.0  # the open window's length: a request that joins extends it by this much
     starting: int = 0  # start jobs submitted to the engine and not yet answered (a burst's first step waits for them)
+    registering: int = 0  # agents being registered on it now: their first requests may join a burst's first step
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while a reload swaps its runtime
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tuner: Tuner | None = None  # its load profile and the tuning of its live context (SPEC E1-E4)

@@ -191,7 +191,7 @@ def test_a_2000_request_soak_holds_memory_fds_and_health(hostile):
 
 STORM_CONNECTIONS = 5
 STORM_TASKS = 10  # per connection: 50 streams in all
-STORM_MAX_TOKENS = 300
+STORM_MAX_TOKENS = 480  # demo-b's 512 cells hold the prompt and all of it
 
 
 @dataclass
@@ -200,6 +200,7 @@ class StormTask:
     cancel_after: int  # tokens received before the CANCEL is sent; -1: sent with the requests, before any token
     tokens: int = 0
     cancelled: bool = False
+    tokens_at_cancel: int = 0  # tokens received when the CANCEL was sent
     end: m.Message | None = None
     after_end: int = 0  # messages for the task once it ended (must stay 0)
 
@@ -237,6 +238,7 @@ def storm_connection(path: Any, index: int, rng: random.Random) -> list[StormTas
                 if not task.cancelled and task.tokens >= task.cancel_after:
                     peer.send({"type": "CANCEL", "task_id": task.task_id})
                     task.cancelled = True
+                    task.tokens_at_cancel = task.tokens
             elif isinstance(message, m.TaskComplete | m.ErrorMessage):
                 task.end = message
         for task in tasks.values():  # late: each task has ended; nothing may answer these
@@ -257,10 +259,11 @@ def storm_connection(path: Any, index: int, rng: random.Random) -> list[StormTas
 @pytest.mark.hostile_config(max_tasks_per_connection=STORM_TASKS)
 def test_a_cancel_storm_ends_every_stream_once_and_leaks_nothing(hostile):
     """50 MAGN streams on 5 connections (half on session agents, half stateless), each cancelled at a random point:
-    every task ends exactly once (ERROR CANCELLED, or TASK_COMPLETE when it ended first), a cancelled one well
-    before its max_tokens, nothing answers a late CANCEL; afterwards no generation runs, no request waits or holds
-    a context, no sequence is held for a conversation nobody owns, the sessions' agents are gone, and the neighbour
-    was served."""
+    every task ends exactly once (ERROR CANCELLED, or TASK_COMPLETE when it ended first), a cancelled one within
+    half its max_tokens of its CANCEL (the tiny model streams ~10,000 tokens/s: 80-100 tokens pass on an idle box
+    before a CANCEL takes effect), nothing answers a late CANCEL; afterwards no generation runs, no request waits or
+    holds a context, no sequence is held for a conversation nobody owns, the sessions' agents are gone, and the
+    neighbour was served."""
     served = hostile.neighbour.served
     results: dict[int, list[StormTask]] = {}
     errors: list[BaseException] = []
@@ -285,10 +288,11 @@ def test_a_cancel_storm_ends_every_stream_once_and_leaks_nothing(hostile):
     assert all(task.end.error.code == "CANCELLED" for task in cancelled), [t.end for t in cancelled][:3]
     completed = [task for task in tasks if isinstance(task.end, m.TaskComplete)]
     assert len(cancelled) > len(tasks) // 2, f"only {len(cancelled)} of {len(tasks)} were cancelled"
-    assert all(task.tokens < STORM_MAX_TOKENS // 2 for task in cancelled), "a cancelled stream ran on"
+    ran_on = max(task.tokens - task.tokens_at_cancel for task in cancelled)
+    assert ran_on < STORM_MAX_TOKENS // 2, f"a cancelled stream ran on for {ran_on} tokens after its CANCEL"
     assert all(task.end.stop_reason == "stop" for task in completed), "a stream ran to its end through its CANCEL"
     print(f"cancel storm: {len(cancelled)} cancelled, {len(completed)} ended first; tokens streamed "
-          f"{sum(task.tokens for task in tasks)}")
+          f"{sum(task.tokens for task in tasks)}, at most {ran_on} after a CANCEL")
     assert wait_for(functools.partial(nothing_left, hostile.app)), leftovers(hostile.app)
     assert wait_for(functools.partial(no_agents, hostile.app.daemon, "storm-")), list(hostile.app.daemon.agents)
     assert hostile.neighbour_served_since(served)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +39,18 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def scrape_with_pool(url: str, runtime: Any) -> tuple[Samples, int]:
+    """A scrape and the live context's KV cells it was taken against: the adaptive engine may resize the pool after
+    a sampled request, beside the scrape, so the cells are read before and after it until they agree."""
+    for _ in range(100):
+        before = runtime.pool_cells
+        samples, _ = scrape(url)
+        if runtime.pool_cells == before:
+            return samples, before
+        time.sleep(0.05)
+    raise AssertionError("the pool kept changing around every scrape")
+
+
 def test_the_page_parses_and_shows_memory_inventory_and_the_gateway_gauges(tiny_model: Path) -> None:
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent]) as app:
         samples, types = scrape(app.appliance.http_url)
@@ -66,9 +79,8 @@ def test_requests_on_the_socket_surfaces_move_the_counters_and_histograms(tiny_m
     with running({"tiny": {"path": str(tiny_model)}}, model_dirs=[tiny_model.parent]) as app:
         app.line("REGISTER a tiny")
         assert app.line("DECODE a 6 Hello world").startswith("OK")
-        samples, _ = scrape(app.appliance.http_url)
         agent = app.daemon.agents["a"]
-        cells = agent.model.runtime.pool_cells  # the live context's KV cells, every sequence's
+        samples, cells = scrape_with_pool(app.appliance.http_url, agent.model.runtime)  # every sequence's cells
         # the live agent's evaluated tokens are the context's cells in use
         assert value(samples, GIE_KV_USAGE) == pytest.approx(agent.conversation.n_evaluated / cells)
         assert 0 < value(samples, GIE_KV_USAGE) < 1
@@ -87,8 +99,8 @@ def test_requests_on_the_socket_surfaces_move_the_counters_and_histograms(tiny_m
         assert value(samples, "appliance_connections_total", protocol="lines") >= 2  # REGISTER, DECODE
         assert value(samples, "appliance_connections_total", protocol="magn") == 1
         # the stateless request took a sequence of its own and left the context; a's cells stayed (in a pool the
-        # adaptive engine may have resized since)
-        cells = agent.model.runtime.pool_cells
+        # adaptive engine may have resized since, or resizes now)
+        samples, cells = scrape_with_pool(app.appliance.http_url, agent.model.runtime)
         assert value(samples, GIE_KV_USAGE) == pytest.approx(agent.conversation.n_evaluated / cells)
 
 

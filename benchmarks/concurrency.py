@@ -342,6 +342,15 @@ def appliance_flash(base_url: str) -> bool | None:
     return contexts[0]["flash_attention"] if contexts else None
 
 
+def appliance_context(base_url: str) -> dict[str, int] | None:
+    """The appliance's live context as its ``/v1/health`` tells it: ``pool_cells`` and ``kv_streams`` (split KV
+    streams, one per live sequence; 0: one pool every sequence attends over); None when it has none."""
+    contexts = httpx.get(base_url + "/v1/health", timeout=10).json().get("contexts", [])
+    if not contexts:
+        return None
+    return {"pool_cells": contexts[0]["pool_cells"], "kv_streams": contexts[0]["kv_streams"]}
+
+
 def burst_figures(streams: Sequence[Stream]) -> tuple[float, float, list[float]] | None:
     """One burst's aggregate tokens/s, wall time and TTFTs (ms), or None when a stream failed or got no token."""
     if any(s.error is not None or s.first_token is None or s.last_token is None for s in streams):
@@ -479,6 +488,8 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
             return [served.pid for served in servers.values()]
 
         rounds = run_clean_rounds(args.rounds, args.max_reruns, one_round, server_pids)
+        contexts = {path.name: appliance_context(servers[path.name].base_url)
+                    for path in paths if path.kind == "appliance"}
         out = {}
         for path in paths:
             served = servers[path.name]
@@ -490,18 +501,34 @@ def measure_n(model: Path, paths: Sequence[PathSpec], binaries: dict[str, Path] 
                 entry["server_log_tail"] = served.tail()
             if path.kind == "appliance":
                 entry["flash_attention_resolved"] = resolved[path.name]
+                entry["context_after_rounds"] = contexts[path.name]
             out[path.name] = entry
     return out, rounds
 
 
 def ceiling_figures(binary: Path, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``llama-batched-bench`` run ``args.rounds`` times; per parallel count the median generation tokens/s."""
-    runs = [peer.batched_bench(binary, model, args.threads, n_prompt=args.prompt_tokens, n_gen=args.tokens,
-                               n_parallel=tuple(args.agents)) for _ in range(args.rounds)]
+    """``llama-batched-bench`` run ``args.rounds`` times with a KV stream per sequence (the box's ceiling, as
+    llama-server's slots) and as many times with one unified KV buffer (as the appliance's unsplit context), the
+    two in each round one after the other, which first alternating (the box's speed drifts between rounds more than
+    the layouts differ at one sequence). Per parallel count the median generation tokens/s of each, and the median
+    of the rounds' unified / split ratios."""
+    split_runs = []
+    unified_runs = []
+    for index in range(args.rounds):
+        order = [(False, split_runs), (True, unified_runs)]
+        if index % 2:
+            order.reverse()
+        for unified, runs in order:
+            runs.append(peer.batched_bench(binary, model, args.threads, n_prompt=args.prompt_tokens,
+                                           n_gen=args.tokens, n_parallel=tuple(args.agents), unified=unified))
     rows = []
-    for index, row in enumerate(runs[0]):
-        gen = [run[index]["gen_tok_s"] for run in runs]
-        rows.append({**row, "gen_tok_s": statistics.median(gen), "gen_tok_s_runs": gen})
+    for index, row in enumerate(split_runs[0]):
+        gen = [run[index]["gen_tok_s"] for run in split_runs]
+        gen_unified = [run[index]["gen_tok_s"] for run in unified_runs]
+        ratios = [unified / split for unified, split in zip(gen_unified, gen, strict=True)]
+        rows.append({**row, "gen_tok_s": statistics.median(gen), "gen_tok_s_runs": gen,
+                     "gen_tok_s_unified": statistics.median(gen_unified), "gen_tok_s_unified_runs": gen_unified,
+                     "unified_over_split": statistics.median(ratios)})
     return rows
 
 
@@ -721,10 +748,23 @@ def report(args: argparse.Namespace, model: Path, prompts: Sequence[AgentPrompt]
                  "(adaptive_vs_fixed_*: the appliance on defaults / with engine.adaptive: false); "
                  "same_settings = defaults / flash on of one kind of server when both ran flash attention (an A/A "
                  "pair: the run's noise); "
-                 "flash_attention null = the server's own default; llama_batched_bench gen_tok_s = generation "
-                 "tokens/s of all sequences together",
+                 "flash_attention null = the server's own default; context_after_rounds = the appliance's live "
+                 "context after the last round (its /v1/health: pool_cells, kv_streams; 0 streams = one pool); "
+                 "llama_batched_bench gen_tok_s = generation tokens/s of all sequences together, a KV stream per "
+                 "sequence (-no-kvu), gen_tok_s_unified = the same in one unified KV buffer (-kvu), "
+                 "unified_over_split = the median of the rounds' ratios (the two layouts one after the other in each "
+                 "round)",
         "headline": headline(args, results, compared, notes, rounds, targets, same),
     }
+
+
+def context_words(context: dict[str, int] | None) -> str:
+    """An appliance context as :func:`appliance_context` read it, in a few words."""
+    if context is None:
+        return "none"
+    if context["kv_streams"]:
+        return f"{context['kv_streams']} KV streams of {context['pool_cells'] // context['kv_streams']} cells"
+    return f"one pool of {context['pool_cells']} cells"
 
 
 def met_word(met: bool | None) -> str:
@@ -750,9 +790,18 @@ def print_table(r: dict[str, Any]) -> None:
             print(f"{name:<24} {n:>2} {tps:>7} {spread:>13} {p50:>9} {p99:>9} {rss:>9} {text:>5} {counts}")
     for name, logged in r["llama_server_flash_attention"].items():
         print(f"{name}: flash attention as llama.cpp logs it (a probe at --log-verbosity 4): {logged}")
+    for name, path in r["paths"].items():
+        if path["kind"] == "appliance":
+            row = ", ".join(f"N={n} {context_words(e['context_after_rounds'])}" for n, e in path["by_agents"].items())
+            print(f"{name}: live context after the rounds: {row}")
     if r["llama_batched_bench"] is not None:
-        row = ", ".join(f"{b['n_parallel']}: {b['gen_tok_s']:.1f}" for b in r["llama_batched_bench"])
-        print(f"llama-batched-bench generation tok/s by sequences (the box's ceiling): {row}")
+        bench = r["llama_batched_bench"]
+        row = ", ".join(f"{b['n_parallel']}: {b['gen_tok_s']:.1f}" for b in bench)
+        print(f"llama-batched-bench generation tok/s by sequences, a KV stream per sequence (the box's ceiling): "
+              f"{row}")
+        row = ", ".join(f"{b['n_parallel']}: {b['gen_tok_s_unified']:.1f} ({b['unified_over_split']:.2f}x)"
+                        for b in bench)
+        print(f"the same with one unified KV buffer (unified / split): {row}")
     def times(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 

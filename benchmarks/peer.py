@@ -182,13 +182,15 @@ BATCHED_BENCH_ATTEMPTS = 3
 
 
 def batched_bench(binary: Path, model: Path, threads: int, n_prompt: int = 64, n_gen: int = 64,
-                  n_parallel: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict[str, float | int]]:
+                  n_parallel: tuple[int, ...] = (1, 2, 4, 8), *, unified: bool = False) -> list[dict[str, float | int]]:
     """Run ``llama-batched-bench`` (each of ``n_parallel`` sequences with its own ``n_prompt``-token prompt, then
-    ``n_gen`` tokens each) and return its table rows, one per parallel count."""
+    ``n_gen`` tokens each) and return its table rows, one per parallel count. ``unified``: every sequence in one KV
+    buffer (``-kvu``: each token attends over the cells of all of them, masked, as in the appliance's unsplit
+    context); else a KV stream per sequence (``-no-kvu``: each attends over its own, as llama-server's slots)."""
     n_ctx = max(n_parallel) * (n_prompt + n_gen) + 64
     argv = [str(binary), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
             "-b", "2048", "-ub", "512", "-ngl", "0", "-npp", str(n_prompt), "-ntg", str(n_gen),
-            "-npl", ",".join(str(n) for n in n_parallel)]
+            "-npl", ",".join(str(n) for n in n_parallel), "-kvu" if unified else "-no-kvu"]
     for _attempt in range(BATCHED_BENCH_ATTEMPTS):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

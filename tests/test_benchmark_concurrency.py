@@ -65,6 +65,40 @@ def test_batched_bench_runs_again_when_a_run_stops_after_its_first_row(tmp_path:
     assert runs.exists()
 
 
+def test_batched_bench_asks_for_a_kv_stream_per_sequence_or_one_unified_buffer(tmp_path: Path) -> None:
+    """llama-batched-bench's own default depends on its slot count: each run says which KV layout it measures."""
+    binary = tmp_path / "llama-batched-bench"
+    argv = tmp_path / "argv"
+    binary.write_text(f"#!/bin/sh\necho \"$@\" >> {argv}\ncat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n")
+    os.chmod(binary, 0o755)
+    peer.batched_bench(binary, tmp_path / "model.gguf", threads=2, n_parallel=(1, 4))
+    peer.batched_bench(binary, tmp_path / "model.gguf", threads=2, n_parallel=(1, 4), unified=True)
+    split, unified = (line.split() for line in argv.read_text().splitlines())
+    assert "-no-kvu" in split and "-kvu" not in split
+    assert "-kvu" in unified and "-no-kvu" not in unified
+
+
+def test_ceiling_figures_give_split_and_unified_medians_side_by_side(tmp_path: Path) -> None:
+    """Each round runs both layouts, which first alternating; per parallel count the median of each and the median
+    of the rounds' unified / split ratios."""
+    binary = tmp_path / "llama-batched-bench"
+    unified_output = BATCHED_BENCH_OUTPUT.replace("185.78", "148.62")  # the 4-sequence row, about 0.8x
+    argv = tmp_path / "argv"
+    binary.write_text(f"#!/bin/sh\necho \"$@\" >> {argv}\n"
+                      f"case \"$*\" in *-no-kvu*) cat <<'EOF'\n{BATCHED_BENCH_OUTPUT}\nEOF\n;;\n"
+                      f"*) cat <<'EOF'\n{unified_output}\nEOF\n;; esac\n")
+    os.chmod(binary, 0o755)
+    args = concurrency.parse_args(["--agents", "1", "4", "--rounds", "3"])
+    rows = concurrency.ceiling_figures(binary, tmp_path / "model.gguf", args)
+    assert [row["n_parallel"] for row in rows] == [1, 4]
+    assert rows[0]["gen_tok_s_runs"] == rows[0]["gen_tok_s_unified_runs"] == [83.77] * 3
+    assert rows[1]["gen_tok_s"] == 185.78 and rows[1]["gen_tok_s_unified"] == 148.62
+    assert rows[0]["unified_over_split"] == 1.0
+    assert rows[1]["unified_over_split"] == pytest.approx(148.62 / 185.78)
+    layouts = ["unified" if line.split()[-1] == "-kvu" else "split" for line in argv.read_text().splitlines()]
+    assert layouts == ["split", "unified", "unified", "split", "split", "unified"]
+
+
 def test_peer_build_pins_the_projects_llama_cpp_python_and_returns_a_cached_build_at_once(tmp_path: Path) -> None:
     assert peer.pinned_version() == llama_cpp.__version__
     assert peer.default_cache().name == f"llama.cpp-{llama_cpp.__version__}"
@@ -253,6 +287,12 @@ def check_quick_result(r: dict[str, Any], printed: str) -> None:
     assert "adaptive / fixed tok/s N=1" in r["headline"]
     for n in ("1", "2"):  # read from each appliance's /v1/health after its warm-up
         assert isinstance(r["paths"]["appliance_flash_on"]["by_agents"][n]["flash_attention_resolved"], bool)
+    for name, path in r["paths"].items():  # and its live context after the rounds
+        if path["kind"] == "appliance":
+            for entry in path["by_agents"].values():
+                context = entry["context_after_rounds"]
+                assert context["pool_cells"] > 0 and context["kv_streams"] >= 0, context
+            assert f"{name}: live context after the rounds: N=1 " in printed
     if r["paths"]["appliance_defaults"]["by_agents"]["1"]["flash_attention_resolved"]:  # an A/A pair: its ratios
         defaults = r["paths"]["appliance_defaults"]["by_agents"]["1"]
         flash_on = r["paths"]["appliance_flash_on"]["by_agents"]["1"]
@@ -313,4 +353,8 @@ def test_concurrency_quick_with_the_peer(tmp_path: Path, capsys: pytest.CaptureF
         assert r["comparisons"][n]["defaults_tok_s"] > 0 and r["comparisons"][n]["flash_on_ttft_p99"] > 0
     assert all(row["met"] is not None for row in r["targets"] if row["key"].startswith("defaults_"))
     assert [b["n_parallel"] for b in r["llama_batched_bench"]] == [1, 2]
+    for row in r["llama_batched_bench"]:
+        assert row["gen_tok_s"] > 0 and row["gen_tok_s_unified"] > 0
+        assert row["unified_over_split"] == pytest.approx(row["gen_tok_s_unified"] / row["gen_tok_s"])
+    assert "the same with one unified KV buffer (unified / split): 1: " in printed
     check_quick_result(r, printed)

@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import threading
 import time
@@ -58,7 +59,7 @@ KILLS = 15
 LINE_AGENTS = ("la0", "la1", "la2")
 HTTP_AGENTS = ("ua0", "ua1")
 TURN_TOKENS = 6
-TURNS_PER_ROUND = 12
+TURNS_PER_ROUND = 30  # per agent and round: more than fit in the longest kill delay, so that a kill finds turns left
 TURN_GAP_S = (0.02, 0.12)
 KILL_DELAY_S = (0.05, 1.5)
 KILL_WAIT_S = 5.0  # after the delay, the kill waits at most this for a request in flight
@@ -122,16 +123,21 @@ class Round:
         self.seen = seen  # OpenAI messages key -> (prompt_tokens, completion_tokens) of an acknowledged turn
         self.first_ack = threading.Event()
         self.busy: set[str] = set()  # the agents with a request sent and its reply not yet read whole
+        self.sends: list[float] = []  # when each request of the round was sent
+        self.turn_s: list[float] = []  # each acknowledged line turn's time, request sent to reply read
         self.stop = threading.Event()  # no new turn: the kill comes
         self.errors: list[str] = []
 
     def kill_in_flight(self, rng: random.Random) -> None:
-        """SIGKILL the daemon at a moment a request is in flight (waiting at most :data:`KILL_WAIT_S` for one), a
-        random fraction of a turn into it."""
+        """SIGKILL the daemon a random fraction of a turn into a request sent after this call (waiting at most
+        :data:`KILL_WAIT_S` for one): up to half the round's median acknowledged line turn, so that the kill falls
+        inside a turn however fast the box ends one (a fixed 0-10 ms fell after it on a fast box)."""
+        sent = len(self.sends)
         deadline = time.monotonic() + KILL_WAIT_S
-        while not self.busy and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(rng.uniform(0, 0.01))
+        while (len(self.sends) == sent or not self.busy) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        turn_s = statistics.median(self.turn_s) if self.turn_s else 0.01
+        time.sleep(rng.uniform(0, 0.5) * turn_s)
         self.stop.set()
         self.run.kill()
 
@@ -148,6 +154,8 @@ class Round:
                     return  # the daemon is gone: this turn was never sent
                 agent.inflight = prompt
                 self.busy.add(agent.id)
+                sent = time.monotonic()
+                self.sends.append(sent)
                 try:
                     sock.sendall(f"DECODE {agent.id} {TURN_TOKENS} {prompt}\n".encode())
                     reply = lineclient.read_reply(sock.makefile("r", encoding="utf-8", newline="\n"))
@@ -161,6 +169,7 @@ class Round:
                 return
             if not reply.rstrip("\n").endswith("END_RESPONSE"):
                 return  # cut by the kill: in flight
+            self.turn_s.append(time.monotonic() - sent)
             fields = lineclient.header_fields(reply)
             agent.tokens += int(fields["prompt_tokens"]) + int(fields["generated_tokens"])
             agent.turns.append(LineTurn(prompt, True, agent.tokens, lineclient.response_body(reply)))
@@ -183,6 +192,7 @@ class Round:
                 done = False
                 agent.inflight = messages_key(messages)
                 self.busy.add(agent.id)
+                self.sends.append(time.monotonic())
                 try:
                     with client.stream("POST", self.run.url + "/v1/chat/completions", json=body) as response:
                         if response.status_code != 200:

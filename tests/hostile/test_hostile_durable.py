@@ -56,7 +56,7 @@ def decode(app: Any, agent: str, n_tokens: int, prompt: str = "") -> tuple[str, 
 # -- 1. kill -9 at random points ------------------------------------------------------------------------------------
 
 KILLS = 15
-LINE_AGENTS = ("la0", "la1", "la2")
+LINE_AGENTS = ("la0", "la1", "la2", "la3", "la4")  # five: a replay takes another token at a near-tie in about half
 HTTP_AGENTS = ("ua0", "ua1")
 TURN_TOKENS = 6
 TURNS_PER_ROUND = 30  # per agent and round: more than fit in the longest kill delay, so that a kill finds turns left
@@ -363,7 +363,7 @@ def check_http_agent(run: Run, agent: HttpAgent, seen: dict[str, tuple[int, int]
 
 
 def test_kill_9_at_random_points_loses_no_acknowledged_turn(record_case, tiny_model: Path, tiny_model_b: Path):
-    """15 times (fewer once every conversation reached its ceiling): three line agents (model a) and two OpenAI
+    """15 times (fewer once every conversation reached its ceiling): five line agents (model a) and two OpenAI
     ``user`` agents (model b, streamed, the whole history each turn) decode turn after turn in threads; after a
     seeded random 0.05-1.5 s, SIGKILL while a request is in flight; restart on the same folder. Every start opens
     the store (health ok, nothing moved aside, no stray file), and it holds each agent's acknowledged turns, plus

@@ -335,20 +335,26 @@ def warm_up(base_url: str, kind: str) -> None:
             raise RuntimeError(f"warm-up request failed: {result.error}")
 
 
-def appliance_flash(base_url: str) -> bool | None:
-    """Whether the appliance's live context runs flash attention (its ``/v1/health``: llama.cpp's choice under
-    ``auto``); None when it has no live context."""
+def live_context(base_url: str) -> dict[str, Any] | None:
+    """The appliance's live context as its ``/v1/health`` lists it; None when it has none."""
     contexts = httpx.get(base_url + "/v1/health", timeout=10).json().get("contexts", [])
-    return contexts[0]["flash_attention"] if contexts else None
+    return contexts[0] if contexts else None
+
+
+def appliance_flash(base_url: str) -> bool | None:
+    """Whether the appliance's live context runs flash attention (llama.cpp's choice under ``auto``); None when it
+    has no live context."""
+    context = live_context(base_url)
+    return None if context is None else context["flash_attention"]
 
 
 def appliance_context(base_url: str) -> dict[str, int] | None:
-    """The appliance's live context as its ``/v1/health`` tells it: ``pool_cells`` and ``kv_streams`` (split KV
-    streams, one per live sequence; 0: one pool every sequence attends over); None when it has none."""
-    contexts = httpx.get(base_url + "/v1/health", timeout=10).json().get("contexts", [])
-    if not contexts:
+    """The appliance's live context's ``pool_cells`` and ``kv_streams`` (split KV streams, one per live sequence;
+    0: one pool every sequence attends over); None when it has none."""
+    context = live_context(base_url)
+    if context is None:
         return None
-    return {"pool_cells": contexts[0]["pool_cells"], "kv_streams": contexts[0]["kv_streams"]}
+    return {"pool_cells": context["pool_cells"], "kv_streams": context["kv_streams"]}
 
 
 def burst_figures(streams: Sequence[Stream]) -> tuple[float, float, list[float]] | None:

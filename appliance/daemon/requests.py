@@ -130,12 +130,12 @@ def conversation_cells(agents: list[Agent]) -> list[int]:
 async def gathered(model: Model) -> None:
     """Wait until the model's burst window (:func:`gathers`) is over, extensions, the starts still queued and the
     agents still being registered included (:func:`~appliance.daemon.burst.gather_wait`)."""
-    delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_opened,
-                              model.starting + model.registering)
-    while delay > 0:
-        await asyncio.sleep(delay)
+    while True:
         delay = burst.gather_wait(time.monotonic(), model.gather_until, model.gather_opened,
                                   model.starting + model.registering)
+        if delay <= 0:
+            return
+        await asyncio.sleep(delay)
 
 
 async def started(job: asyncio.Future[Any], cancel: threading.Event | None) -> Any:
